@@ -1,0 +1,78 @@
+"""Checkpoint-level configuration: ``metadata.json`` and checkpoint detection.
+
+``metadata.json`` names the sharded and common backends (and their versions)
+that wrote the checkpoint; ``load`` dispatches on it rather than guessing the
+format from the files present.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .errors import CheckpointingException, CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FNAME = "metadata.json"
+
+__all__ = [
+    "CONFIG_FNAME",
+    "CheckpointingConfig",
+    "CheckpointingException",
+    "check_is_distributed_checkpoint",
+    "maybe_load_config",
+    "save_config",
+]
+
+
+@dataclass
+class CheckpointingConfig:
+    """The backends (and versions) that wrote a checkpoint, stored in ``metadata.json``.
+
+    Megatron-Core 0.16+ writes only the sharded backend; the common backend then
+    defaults to ``torch`` version 1.
+    """
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "torch"
+    common_backend_version: int = 1
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: str | Path) -> bool:
+    """Whether ``checkpoint_dir`` holds a distributed checkpoint (has ``metadata.json``)."""
+    return maybe_load_config(checkpoint_dir) is not None
+
+
+def maybe_load_config(checkpoint_dir: str | Path) -> CheckpointingConfig | None:
+    """The checkpoint's config, or None if ``metadata.json`` is absent.
+
+    Unknown fields (written by newer releases) are ignored.
+
+    Raises:
+        CorruptCheckpointError: ``metadata.json`` exists but is not a valid config.
+    """
+    path = Path(checkpoint_dir, CONFIG_FNAME)
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: unreadable checkpoint config ({e})") from e
+    known = {f.name for f in fields(CheckpointingConfig)}
+    if not isinstance(raw, dict) or "sharded_backend" not in raw:
+        raise CorruptCheckpointError(f"{path}: expected a JSON object with 'sharded_backend'")
+    unknown = set(raw) - known
+    if unknown:
+        logger.debug("Ignoring unknown fields %s in %s", sorted(unknown), path)
+    return CheckpointingConfig(**{k: v for k, v in raw.items() if k in known})
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: str | Path) -> None:
+    """Write ``metadata.json`` durably and atomically (it marks the checkpoint complete)."""
+    from .strategies.fs_io import atomic_write_bytes
+
+    atomic_write_bytes(Path(checkpoint_dir, CONFIG_FNAME), json.dumps(asdict(config)).encode())

@@ -1,0 +1,85 @@
+"""The exceptions raised by dist_checkpointing.
+
+Every error derives from :class:`CheckpointingException` (Megatron-Core's name,
+which users already catch). Specific errors also inherit the matching built-in
+exception, so ``except FileNotFoundError`` or ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointingException(Exception):
+    """Base class of every error raised by dist_checkpointing."""
+
+
+class ShardingError(CheckpointingException, ValueError):
+    """The shards of a global tensor or object do not cover it exactly once,
+    or the ranks disagree on its global shape or dtype."""
+
+
+class MappingError(CheckpointingException, ValueError):
+    """A ShardedTensor / ShardedObject / factory was built with inconsistent metadata."""
+
+
+class CheckpointNotFoundError(CheckpointingException, FileNotFoundError):
+    """The directory does not exist or holds no distributed checkpoint."""
+
+
+class IncompleteCheckpointError(CheckpointingException, FileNotFoundError):
+    """The directory holds a checkpoint whose save never finished (no metadata)."""
+
+
+class StrategyNotFoundError(CheckpointingException, KeyError):
+    """No strategy is registered for the requested (action, backend, version)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class IncompatibleStrategyError(CheckpointingException, ValueError):
+    """A strategy was asked to handle a backend or version it does not support."""
+
+
+class KeyMismatchError(CheckpointingException, KeyError):
+    """Keys requested at load are missing from the checkpoint, or the checkpoint
+    holds keys that were not requested (depending on the strictness mode)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(CheckpointingException, ValueError):
+    """A requested global shape or dtype differs from the stored one."""
+
+
+class CorruptCheckpointError(CheckpointingException, OSError):
+    """A checkpoint file is truncated, unreadable or fails its integrity check."""
+
+
+class UnsafeCheckpointError(CheckpointingException, ValueError):
+    """Loading would require executing or importing code that is not allowed."""
+
+
+class CheckpointWriteError(CheckpointingException, OSError):
+    """Writing the checkpoint failed on some rank (worker error, disk full, ...)."""
+
+
+class UnsupportedFeatureError(CheckpointingException, NotImplementedError):
+    """The caller asked for a feature this library deliberately does not provide."""
+
+
+__all__ = [
+    "CheckpointingException",
+    "ShardingError",
+    "MappingError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "StrategyNotFoundError",
+    "IncompatibleStrategyError",
+    "KeyMismatchError",
+    "ShapeMismatchError",
+    "CorruptCheckpointError",
+    "UnsafeCheckpointError",
+    "CheckpointWriteError",
+    "UnsupportedFeatureError",
+]

@@ -1,0 +1,25 @@
+"""Save/load strategies and the registry of default strategies."""
+
+from .base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+    register_default_strategy,
+    registered_strategies,
+)
+
+__all__ = [
+    "AsyncSaveShardedStrategy",
+    "LoadCommonStrategy",
+    "LoadShardedStrategy",
+    "SaveCommonStrategy",
+    "SaveShardedStrategy",
+    "StrategyAction",
+    "get_default_strategy",
+    "register_default_strategy",
+    "registered_strategies",
+]
