@@ -18,6 +18,19 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
+from .serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_common_strategy,
+    get_default_save_sharded_strategy,
+    load,
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+)
 from .validation import StrictHandling, parse_strict_flag
 
 __all__ = [
@@ -34,6 +47,17 @@ __all__ = [
     "apply_factory_merges",
     "check_is_distributed_checkpoint",
     "errors",
+    "get_default_load_sharded_strategy",
+    "get_default_save_common_strategy",
+    "get_default_save_sharded_strategy",
+    "load",
+    "load_common_state_dict",
+    "load_content_metadata",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "remove_sharded_tensors",
+    "save",
     "is_main_replica",
     "parse_strict_flag",
 ]

@@ -31,8 +31,11 @@ def extract_matching_values(
             so that the positions of the matching elements are kept.
 
     Returns:
-        ``(matching, nonmatching)``, both with the structure of ``x``. Empty
-        sub-containers are dropped from each side.
+        ``(matching, nonmatching)``, both with the structure of ``x``. A
+        sub-container left empty by the split is dropped from that side, but a
+        container that was empty in ``x`` is kept on the nonmatching side (as
+        Megatron-Core does), so that e.g. an optimizer's empty ``state`` dict
+        survives in the common state.
     """
 
     def _set(target: dict | list, key: Any, value: Any) -> None:
@@ -57,7 +60,7 @@ def extract_matching_values(
                 m, o = _split(v)
                 if m:
                     _set(match, k, m)
-                if o:
+                if o or not v:
                     _set(other, k, o)
             elif predicate(v):
                 _set(match, k, v)

@@ -502,8 +502,9 @@ class ShardedObject(ShardedBase):
                 "(expected '<key>/shard_<offsets>_<shape>')"
             )
         try:
-            offset = tuple(int(x) for x in parts[1].split("."))
-            shape = tuple(int(x) for x in parts[2].split("."))
+            # An empty field is the empty tuple (a 0-d object grid).
+            offset = tuple(int(x) for x in parts[1].split(".")) if parts[1] else ()
+            shape = tuple(int(x) for x in parts[2].split(".")) if parts[2] else ()
         except ValueError as e:
             raise MappingError(f"'{unique_key}' has non-integer offsets or shape") from e
         return cls(key, None, shape, offset, replica_id)

@@ -72,7 +72,7 @@ class StrictHandling(Enum):
     def requires_global_app_metadata(val: StrictHandling) -> bool:
         """Whether the mode needs every rank's request (to compute missing keys)."""
         return val in (
-            StrictHandling.ASSUME_OK_UNEXPECTED,
+            StrictHandling.IGNORE_ALL,
             StrictHandling.RAISE_ALL,
             StrictHandling.RETURN_ALL,
             StrictHandling.LOG_ALL,
@@ -147,9 +147,18 @@ def _overlap_problems(key: str, blocks: list[_Block]) -> list[str]:
     return problems
 
 
+def _volume_inside(global_shape: tuple[int, ...], blocks: list[_Block]) -> int:
+    """Elements of the blocks that lie inside the global tensor (parts outside are
+    reported as their own problem and must not hide a gap)."""
+    return sum(
+        math.prod(max(0, min(o + s, g) - o) for o, s, g in zip(b.offset, b.shape, global_shape))
+        for b in blocks
+    )
+
+
 def _gap_description(global_shape: tuple[int, ...], blocks: list[_Block]) -> str:
     numel = math.prod(global_shape)
-    covered = sum(math.prod(b.shape) for b in blocks)
+    covered = _volume_inside(global_shape, blocks)
     if numel > _MAX_ELEMENTS_FOR_GAP_REPORT:
         return f"{numel - covered} of {numel} elements are not covered"
     counts = np.zeros(global_shape, dtype=np.int32)
@@ -174,6 +183,8 @@ def _flat_blocks(key: str, shards: list[tuple[int, ShardedTensor]]) -> tuple[lis
         block = _Block(ranges[0][0], offset, shape)
         pos = 0
         for rank, fr in sorted(ranges, key=lambda r: (r[1].start, r[1].stop)):
+            if fr.start == fr.stop:
+                continue  # an empty range covers nothing and overlaps nothing
             if fr.start > pos:
                 problems.append(
                     f"'{key}': flat elements [{pos}, {fr.start}) of block {block.describe()} "
@@ -217,7 +228,7 @@ def _tensor_key_problems(key: str, shards: list[tuple[int, ShardedTensor]]) -> l
             )
     overlaps = _overlap_problems(key, blocks)
     problems += overlaps
-    covered = sum(math.prod(b.shape) for b in blocks)
+    covered = _volume_inside(tuple(global_shape), blocks)
     if not overlaps and covered != math.prod(global_shape):
         problems.append(f"'{key}': {_gap_description(tuple(global_shape), blocks)}")
     return problems

@@ -1,0 +1,75 @@
+# dist_checkpointing: install, lint, test, docs, demo, benchmarks.
+# `make test` is exactly what CI runs (.ci/run). Works on a fresh clone with PyPI access only.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Exact pin on purpose: any other spec resolves to the CUDA build and pulls GBs of wheels.
+TORCH_VERSION := 2.13.0
+STAMP := $(VENV)/.install-stamp
+NPROC ?= 2
+PYTEST_ARGS ?=
+DOCS_BUILD := docs/_build
+
+.PHONY: help venv install lint format test test-fast demo docs bench clean distclean
+
+help:
+	@echo "make demo       save and load a sharded checkpoint on $(NPROC) ranks (torchrun)"
+	@echo "make test       lint, then the whole test suite (what CI runs)"
+	@echo "make test-fast  the test suite without tests marked slow"
+	@echo "make lint       ruff check, ruff format --check, mypy"
+	@echo "make format     apply ruff fixes and formatting"
+	@echo "make docs       build the HTML docs into $(DOCS_BUILD)/html"
+	@echo "make bench      run bench/*.py on $(NPROC) ranks"
+	@echo "make install    create $(VENV) and install the package with its dev tools"
+	@echo "make clean      remove build, cache and docs output (distclean: also $(VENV))"
+
+$(STAMP): setup.py pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -e ".[dev]"
+	touch $@
+
+venv install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy dist_checkpointing
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/demo.py
+
+docs: $(STAMP)
+	$(BIN)/sphinx-build -W --keep-going -b html docs $(DOCS_BUILD)/html
+	@echo "docs: open $(DOCS_BUILD)/html/index.html"
+
+bench: $(STAMP)
+	@shopt -s nullglob; scripts=(bench/*.py); \
+	if [ $${#scripts[@]} -eq 0 ]; then echo "bench: no bench/*.py yet"; exit 0; fi; \
+	for script in "$${scripts[@]}"; do \
+		echo "== $$script"; \
+		$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) "$$script"; \
+	done
+
+clean:
+	rm -rf build dist *.egg-info $(DOCS_BUILD) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -path ./.git -prune -o -name __pycache__ -type d -print \
+		| xargs rm -rf
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,228 @@
+"""Collective planning and finalization of a DCP save, split for async saves.
+
+``save_state_dict_async_plan`` (every rank of the group, in the calling process):
+    1. the planner makes the local plan; the writer tags it with its file prefix;
+    2. unless every rank's local plan equals the cached one (one all-reduce):
+       the coordinator gathers all local plans, builds the global plan and the
+       metadata, and scatters each rank its part;
+    3. the writer prepares (resolves and buckets) the data to write.
+The caller then runs the writer's write function (in this process, or in the
+background), and afterwards
+``save_state_dict_async_finalize`` (every rank):
+    4. each rank collects its write results; the coordinator gathers them and
+       writes ``.metadata`` (the DCP commit point), then every rank learns the
+       outcome.
+
+Every step that can fail on one rank turns into an exception on every rank:
+no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter
+
+from ..errors import CheckpointingException, CheckpointWriteError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class CachedStructure:
+    """What a save can reuse when the next save has the same structure.
+
+    ``local_plan`` is this rank's plan before global planning, ``central_plan``
+    its final plan, ``metadata`` the global metadata (coordinator only).
+    """
+
+    local_plan: SavePlan
+    central_plan: SavePlan
+    metadata: Metadata | None
+
+
+class _Group:
+    """The ranks taking part, with helpers that fail on every rank together."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None, coordinator_rank: int) -> None:
+        self.group = process_group
+        self.use_dist = dist.is_initialized() and dist.get_world_size(process_group) > 1
+        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.coordinator = coordinator_rank
+        self.is_coordinator = self.rank == coordinator_rank
+
+    def _global(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def all_ok(self, error: BaseException | None, flags: list[int] | None = None) -> list[int]:
+        """All-reduce (sum) an error flag plus ``flags``; raise everywhere on any error."""
+        flags = flags or []
+        if not self.use_dist:
+            if error is not None:
+                raise error
+            return flags
+        t = torch.tensor([0 if error is None else 1, *flags], dtype=torch.int64)
+        dist.all_reduce(t, group=self.group)
+        if int(t[0]) != 0:
+            messages: list[Any] = [None] * self.world
+            mine = None if error is None else f"{type(error).__name__}: {error}"
+            dist.all_gather_object(messages, mine, group=self.group)
+            if error is not None:
+                raise error
+            failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
+            raise CheckpointingException(f"checkpoint step failed on other rank(s): {failed}")
+        return [int(x) for x in t[1:]]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        if not self.use_dist:
+            return [obj]
+        out: list[Any] | None = [None] * self.world if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self._global(self.coordinator), group=self.group)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        if not self.use_dist:
+            assert objs is not None
+            return objs[0]
+        out: list[Any] = [None]
+        dist.scatter_object_list(
+            out, objs if self.is_coordinator else None, src=self._global(self.coordinator),
+            group=self.group,
+        )
+        return out[0]
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.use_dist:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(self.coordinator), group=self.group)
+        return box[0]
+
+
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - propagated to every rank by the caller
+        return None, e
+
+
+def save_state_dict_async_plan(
+    state_dict: Any,
+    storage_writer: StorageWriter,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    planner: SavePlanner | None = None,
+    cached_ckpt_structure: CachedStructure | None = None,
+) -> tuple[StorageWriter, Metadata | None, CachedStructure]:
+    """Plan a save collectively and prepare the writer's data (steps 1-3 above).
+
+    Returns:
+        ``(storage_writer, metadata, structure)``: the writer ready to write, the
+        global metadata (coordinator only, else None) and the structure to pass
+        as ``cached_ckpt_structure`` to the next save.
+    """
+    if planner is None:
+        raise CheckpointingException("save_state_dict_async_plan needs a planner")
+    group = _Group(process_group, coordinator_rank)
+
+    def local_step() -> SavePlan:
+        storage_writer.set_up_storage_writer(group.is_coordinator)
+        planner.set_up_planner(state_dict, storage_writer.storage_meta(), group.is_coordinator)
+        return storage_writer.prepare_local_plan(planner.create_local_plan())
+
+    local_plan, error = _attempt(local_step)
+    reuse = cached_ckpt_structure is not None and local_plan == cached_ckpt_structure.local_plan
+    (not_cached,) = group.all_ok(error, [0 if reuse else 1])
+    assert local_plan is not None
+    if not_cached == 0 and cached_ckpt_structure is not None:
+        logger.debug("Reusing the cached checkpoint structure (no plan exchange)")
+        central_plan, metadata = cached_ckpt_structure.central_plan, cached_ckpt_structure.metadata
+    else:
+        central_plan, metadata = _exchange_plans(group, local_plan, planner, storage_writer)
+
+    def prepare() -> SavePlan:
+        final = planner.finish_plan(central_plan)
+        storage_writer.prepare_write_data(final, planner)  # type: ignore[attr-defined]
+        return final
+
+    final_plan, error = _attempt(prepare)
+    group.all_ok(error)
+    return storage_writer, metadata, CachedStructure(local_plan, central_plan, metadata)
+
+
+def _exchange_plans(
+    group: _Group, local_plan: SavePlan, planner: SavePlanner, storage_writer: StorageWriter
+) -> tuple[SavePlan, Metadata | None]:
+    all_plans = group.gather(local_plan)
+    payload: list[Any] | None = None
+    metadata: Metadata | None = None
+    error: BaseException | None = None
+    if group.is_coordinator:
+        assert all_plans is not None
+
+        def global_step() -> tuple[list[SavePlan], Metadata]:
+            plans, md = planner.create_global_plan(all_plans)
+            return storage_writer.prepare_global_plan(plans), md
+
+        result, error = _attempt(global_step)
+        if error is not None:
+            message = f"{type(error).__name__}: {error}"
+            payload = [("error", message)] * group.world
+        else:
+            assert result is not None
+            plans, metadata = result
+            payload = [("ok", p) for p in plans]
+    status, value = group.scatter(payload)
+    if status == "error":
+        if group.is_coordinator and error is not None:
+            raise error
+        raise CheckpointingException(f"global save planning failed on the coordinator: {value}")
+    return value, metadata
+
+
+def save_state_dict_async_finalize(
+    storage_writer: StorageWriter,
+    global_metadata: Metadata | None,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+) -> None:
+    """Collect every rank's write results and commit ``.metadata`` (step 4 above).
+
+    Raises:
+        CheckpointWriteError: on every rank, if any rank's write failed or the
+            metadata could not be written.
+    """
+    group = _Group(process_group, coordinator_rank)
+    results, error = _attempt(storage_writer.retrieve_write_results)  # type: ignore[attr-defined]
+    mine = ("error", f"{type(error).__name__}: {error}") if error else ("ok", results)
+    gathered = group.gather(mine)
+    outcome: tuple[str, str] = ("ok", "")
+    if group.is_coordinator:
+        assert gathered is not None
+        failures = [f"rank {r}: {v}" for r, (s, v) in enumerate(gathered) if s == "error"]
+        if failures:
+            outcome = ("error", "; ".join(failures))
+        elif global_metadata is None:
+            outcome = ("error", "the coordinator has no global metadata to write")
+        else:
+            all_results = [v for _, v in gathered]
+            _, finish_error = _attempt(lambda: storage_writer.finish(global_metadata, all_results))
+            if finish_error is not None:
+                outcome = ("error", f"writing .metadata failed: {finish_error}")
+    status, message = group.broadcast(outcome)
+    if status == "error":
+        if error is not None and isinstance(error, CheckpointingException):
+            raise error
+        raise CheckpointWriteError(f"Checkpoint save failed: {message}")

@@ -1,0 +1,277 @@
+"""Conversion between our sharded state dicts and PyTorch DCP's view of them.
+
+Megatron-Core's names and semantics: ``flatten_state_dict``,
+``sharded_tensor_to_torch_sharded_tensor``, ``mcore_to_pyt_state_dict``,
+``_unwrap_pyt_sharded_tensor`` and the key-replacement helpers. The save and
+load paths group leaves by their sharded key with
+:func:`_replace_state_dict_keys_with_sharded_keys` and plan directly from our
+ShardedTensors (see ``planners.py``); the PyTorch ``ShardedTensor`` conversion
+is kept for code that relies on it.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..._torch_compat import (
+    TorchShard,
+    TorchShardedTensor,
+    TorchShardedTensorMetadata,
+    TorchShardMetadata,
+    TorchShardTensorProperties,
+)
+from ...dict_utils import nested_paths_iter
+from ...errors import MappingError
+from ...mapping import (
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    is_main_replica,
+)
+from .layout import block_shape, stored_chunk
+
+ObjPath = tuple[Any, ...]
+
+__all__ = [
+    "flatten_state_dict",
+    "unflatten_state_dict",
+    "sharded_tensor_to_torch_sharded_tensor",
+    "mcore_to_pyt_state_dict",
+    "_unwrap_pyt_sharded_tensor",
+    "_replace_state_dict_keys_with_sharded_keys",
+    "_replace_sharded_keys_with_state_dict_keys",
+    "_restore_dict_types",
+]
+
+
+def flatten_state_dict(state_dict: dict) -> tuple[dict[str, Any], dict[str, ObjPath]]:
+    """One-level dict keyed by dotted paths, and the mapping back to the paths.
+
+    Tensors and ShardedBase objects are leaves (as are other non-containers).
+
+    Raises:
+        MappingError: two paths flatten to the same dotted key.
+    """
+    flat: dict[str, Any] = {}
+    mapping: dict[str, ObjPath] = {}
+    for path, value in nested_paths_iter(state_dict):
+        fqn = ".".join(map(str, path))
+        if fqn in flat:
+            raise MappingError(f"Duplicated flattened key '{fqn}' (paths {mapping[fqn]} and {path})")
+        flat[fqn] = value
+        mapping[fqn] = path
+    return flat, mapping
+
+
+def unflatten_state_dict(flat: dict[str, Any], mapping: dict[str, ObjPath]) -> dict:
+    """Inverse of :func:`flatten_state_dict`, with dicts for every container
+    (list positions become int keys; :func:`_restore_dict_types` restores lists)."""
+    out: dict = {}
+    for fqn, value in flat.items():
+        path = mapping[fqn]
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def _replace_state_dict_keys_with_sharded_keys(
+    sharded_state_dict: ShardedStateDict, keep_only_main_replica: bool = False
+) -> tuple[dict[str, list[ShardedBase]], dict[str, ObjPath], dict[str, list[str]]]:
+    """Group the leaves by sharded key (``unique_key`` for objects).
+
+    Returns:
+        ``(by_key, flat_mapping, rename_mapping)``: the leaves of each key, the
+        dotted-path mapping of :func:`flatten_state_dict`, and for each key the
+        dotted paths of its leaves (in the same order).
+    """
+    flat, flat_mapping = flatten_state_dict(sharded_state_dict)
+    by_key: dict[str, list[ShardedBase]] = defaultdict(list)
+    rename: dict[str, list[str]] = defaultdict(list)
+    for fqn, sh in flat.items():
+        if not isinstance(sh, ShardedBase):
+            raise MappingError(f"'{fqn}' is a {type(sh).__name__}, expected a ShardedBase")
+        if keep_only_main_replica and not is_main_replica(sh.replica_id):
+            continue
+        key = sh.unique_key if isinstance(sh, ShardedObject) else sh.key
+        by_key[key].append(sh)
+        rename[key].append(fqn)
+    return dict(by_key), flat_mapping, dict(rename)
+
+
+def _replace_sharded_keys_with_state_dict_keys(
+    state_dict: dict[str, list[Any]],
+    flat_mapping: dict[str, ObjPath],
+    rename_mapping: dict[str, list[str]],
+) -> dict:
+    """Put per-key values back at their original nested paths."""
+    recovered: dict[str, Any] = {}
+    for key, values in state_dict.items():
+        fqns = rename_mapping[key]
+        if len(values) != len(fqns):
+            raise MappingError(f"'{key}': {len(values)} loaded values for {len(fqns)} requests")
+        recovered.update(zip(fqns, values))
+    return unflatten_state_dict(recovered, flat_mapping)
+
+
+def _restore_dict_types(x: Any, keys_template: Any) -> None:
+    """Make ``x``'s containers the same types (dict or list) as ``keys_template``'s, in place."""
+    if isinstance(keys_template, dict) and isinstance(x, dict):
+        for k, v in keys_template.items():
+            if k in x:
+                if isinstance(v, list) and isinstance(x[k], dict):
+                    x[k] = [x[k][i] for i in sorted(x[k])]
+                _restore_dict_types(x[k], v)
+    elif isinstance(keys_template, list) and isinstance(x, list):
+        for i, v in enumerate(keys_template[: len(x)]):
+            if isinstance(v, list) and isinstance(x[i], dict):
+                x[i] = [x[i][j] for j in sorted(x[i])]
+            _restore_dict_types(x[i], v)
+
+
+def _shard_md(offsets: Sequence[int], sizes: Sequence[int], rank: int) -> Any:
+    return TorchShardMetadata(list(offsets), list(sizes), f"rank:{rank}/cpu")
+
+
+def sharded_tensor_to_torch_sharded_tensor(
+    sh_tens: list[ShardedTensor],
+    rank: int | None = None,
+    load_legacy_1d_flatten_tensors: bool = False,
+) -> Any:
+    """A PyTorch ``ShardedTensor`` holding this rank's ShardedTensors of one key.
+
+    Regular ShardedTensors keep their global shape (prepended axes become size-1
+    axes of the local shards). Flat ShardedTensors use the N-D reformulation
+    (see ``layout.py``). Blocks held by other ranks are described by placeholder
+    shards on another rank (PyTorch requires a full cover; DCP only uses the
+    local shards). No communication happens.
+
+    Args:
+        sh_tens: ShardedTensors of the same key, all on a regular grid.
+        rank: this rank (default: the current process group rank, or 0).
+        load_legacy_1d_flatten_tensors: treat 1-D flat tensors as stored by
+            Megatron-Core before the N-D reformulation (a 1-D global tensor).
+    """
+    if not sh_tens:
+        raise MappingError("sharded_tensor_to_torch_sharded_tensor needs at least one ShardedTensor")
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    first = sh_tens[0]
+    if any(sh.key != first.key for sh in sh_tens):
+        raise MappingError(f"ShardedTensors of different keys: {sorted({s.key for s in sh_tens})}")
+    if first.axis_fragmentations is None:
+        raise MappingError(f"ShardedTensor '{first.key}': a regular grid needs axis_fragmentations")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    other = (rank + 1) % max(world, 2)
+    legacy_1d = load_legacy_1d_flatten_tensors and len(first.global_shape) == 1
+    local_shards, shards_md = [], []
+    local_blocks: dict[tuple[int, ...], list[ShardedTensor]] = defaultdict(list)
+    for sh in sh_tens:
+        local_blocks[tuple(sh.global_offset)].append(sh)
+    block = block_shape(first)
+    is_flat = first.flattened_range is not None and not legacy_1d
+    for grid in itertools.product(*(range(f) for f in first.axis_fragmentations)):
+        offset = tuple(g * b for g, b in zip(grid, block))
+        mine = local_blocks.get(offset, [])
+        covered: list[tuple[int, int]] = []
+        for sh in mine:
+            data = sh.data if sh.data is not None else torch.empty(0, dtype=sh.dtype)
+            if legacy_1d and sh.flattened_range is not None:
+                fr = sh.flattened_range
+                md = _shard_md((offset[0] + fr.start,), (fr.stop - fr.start,), rank)
+                covered.append((fr.start, fr.stop))
+            else:
+                chunk = stored_chunk(sh)
+                md = _shard_md(chunk.offsets, chunk.sizes, rank)
+                data = data.reshape(chunk.sizes)
+                if sh.flattened_range is not None:
+                    covered.append((sh.flattened_range.start, sh.flattened_range.stop))
+            local_shards.append(TorchShard(data, md))
+            shards_md.append(md)
+        numel = math.prod(block)
+        if not mine:
+            covered = []
+        elif not covered:
+            continue  # a regular local block covers itself
+        # Placeholders for the parts of this block that other ranks hold.
+        pos = 0
+        for start, stop in sorted(covered) + [(numel, numel)]:
+            if start > pos:
+                if legacy_1d:
+                    shards_md.append(_shard_md((offset[0] + pos,), (start - pos,), other))
+                elif is_flat:
+                    shards_md.append(_shard_md(grid + (pos,), (1,) * len(grid) + (start - pos,), other))
+                else:
+                    shards_md.append(_shard_md(offset, block, other))
+            pos = max(pos, stop)
+    global_shape = stored_chunk(first).global_shape if is_flat else tuple(first.global_shape)
+    properties = TorchShardTensorProperties(dtype=first.dtype, layout=torch.strided,
+                                            requires_grad=False, memory_format=torch.contiguous_format,
+                                            pin_memory=False)
+    md = TorchShardedTensorMetadata(shards_md, torch.Size(global_shape), properties)
+    pyt = TorchShardedTensor._init_from_local_shards_and_global_metadata(local_shards, md)
+    pyt.mcore_sh_ten = first.without_data()
+    pyt.mcore_metadata = {}
+    return pyt
+
+
+def mcore_to_pyt_state_dict(
+    state_dict: dict[str, list[ShardedBase]],
+    is_loading: bool = False,
+    init_device: torch.device = torch.device("cpu"),
+    load_legacy_1d_flatten_tensors: bool = False,
+) -> dict[str, Any]:
+    """Convert a by-key dict (see :func:`_replace_state_dict_keys_with_sharded_keys`)
+    into what PyTorch DCP saves/loads: PyTorch ShardedTensors and BytesIO objects.
+
+    ShardedObjects become ``BytesIO`` holding ``torch.save([data])`` (Megatron-Core's
+    layout: a one-element list); when loading, empty buffers to fill. When
+    loading, ShardedTensors without data are allocated on ``init_device``.
+    """
+    out: dict[str, Any] = {}
+    for key, shards in state_dict.items():
+        if all(isinstance(s, ShardedObject) for s in shards):
+            if len(shards) != 1:
+                raise MappingError(f"ShardedObject '{key}' requested {len(shards)} times on one rank")
+            buf = io.BytesIO()
+            if not is_loading:
+                torch.save([shards[0].data], buf)
+            out[key] = buf
+        elif all(isinstance(s, ShardedTensor) for s in shards):
+            tensors: list[ShardedTensor] = list(shards)  # type: ignore[arg-type]
+            if is_loading:
+                for sh in tensors:
+                    sh.init_data(init_device)
+            out[key] = sharded_tensor_to_torch_sharded_tensor(
+                tensors, load_legacy_1d_flatten_tensors=load_legacy_1d_flatten_tensors
+            )
+        else:
+            raise MappingError(f"'{key}' mixes ShardedTensors and ShardedObjects")
+    return out
+
+
+def _unwrap_pyt_sharded_tensor(sh_ten: Any) -> list[torch.Tensor]:
+    """The local tensors of a PyTorch ShardedTensor made by
+    :func:`sharded_tensor_to_torch_sharded_tensor`, in their original local shapes
+    (prepended axes squeezed, flat tensors 1-D)."""
+    mcore: ShardedTensor | None = getattr(sh_ten, "mcore_sh_ten", None)
+    out = []
+    for shard in sh_ten.local_shards():
+        t = shard.tensor
+        if mcore is not None and mcore.flattened_range is not None:
+            t = t.reshape(-1)
+        elif mcore is not None:
+            for _ in range(mcore.prepend_axis_num):
+                t = t.squeeze(0)
+        out.append(t)
+    return out

@@ -1,0 +1,316 @@
+"""The ``torch_dist`` (version 1) sharded strategies: PyTorch DCP format.
+
+Save (every rank): group the leaves by sharded key, plan collectively
+(:mod:`..state_dict_saver`), stage the data, write one file per bucket
+(``__<rank>_<n>.distcp``), then finalize: the coordinator writes ``.metadata``.
+Load (every rank): read ``.metadata`` with the restricted unpickler, validate
+the requested shapes, read only the byte ranges this rank needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from ...dict_utils import dict_list_map_outplace
+from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from ...safe_load import safe_torch_load
+from ...validation import raise_on_all_ranks
+from ..async_utils import AsyncRequest
+from ..base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    check_compatibility,
+    register_default_strategy,
+)
+from ..filesystem_async import FileSystemWriterAsync
+from ..filesystem_reader import FileSystemReader
+from ..fs_io import filesystem_for
+from ..state_dict_saver import (
+    CachedStructure,
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
+from .converter import _replace_state_dict_keys_with_sharded_keys
+from .layout import ND_REFORMULATED_SHAPE_KEY
+from .planners import MCoreLoadPlanner, MCoreSavePlanner
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "torch_dist"
+VERSION = 1
+METADATA_FNAME = ".metadata"
+
+
+def register_default_torch_strategies() -> None:
+    """Register the ``torch_dist`` v1 strategies (idempotent)."""
+    from ..base import _REGISTRY
+
+    if (StrategyAction.LOAD_SHARDED.value, BACKEND, VERSION) not in _REGISTRY:
+        register_default_strategy(
+            StrategyAction.LOAD_SHARDED, BACKEND, VERSION, TorchDistLoadShardedStrategy()
+        )
+    if (StrategyAction.SAVE_SHARDED.value, BACKEND, VERSION) not in _REGISTRY:
+        register_default_strategy(
+            StrategyAction.SAVE_SHARDED,
+            BACKEND,
+            VERSION,
+            TorchDistSaveShardedStrategy(BACKEND, VERSION),
+        )
+
+
+def _drop_empty_flat(by_key: dict[str, list[ShardedBase]]) -> dict[str, list[ShardedBase]]:
+    """Flat ShardedTensors with an empty range hold nothing to write."""
+    out: dict[str, list[ShardedBase]] = {}
+    for key, shards in by_key.items():
+        kept = [
+            s
+            for s in shards
+            if not (
+                isinstance(s, ShardedTensor)
+                and s.flattened_range is not None
+                and s.flattened_range.stop <= s.flattened_range.start
+            )
+        ]
+        if kept:
+            out[key] = kept
+    return out
+
+
+class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """Saves ShardedTensors and ShardedObjects in PyTorch DCP format.
+
+    Args:
+        backend: ``"torch_dist"``.
+        version: ``1``.
+        keep_only_main_replica: write only ``replica_id == 0`` shards (otherwise
+            DCP's deduplication picks one writer per chunk).
+        thread_count: data files (and writer processes) per rank.
+        cached_metadata: reuse the global plan and metadata of the previous save
+            when every rank's local plan is unchanged (no plan exchange).
+        separation_hint: key prefix whose items go to files of their own.
+        process_group: the ranks that save together (default: the world).
+    """
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 2,
+        cached_metadata: bool = False,
+        separation_hint: str | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(backend, version)
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = thread_count
+        self.cached_metadata = cached_metadata
+        self.separation_hint = separation_hint
+        self.process_group = process_group
+        self._cached_structure: CachedStructure | None = None
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+    ) -> AsyncRequest:
+        """Plan collectively and return the request that stages, writes and commits.
+
+        The returned request's ``preload_fn`` stages the data (the blocking part),
+        its ``async_fn`` writes the files, and its finalize function writes
+        ``.metadata`` once every rank succeeded.
+        """
+        by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, self.keep_only_main_replica
+        )
+        by_key = _drop_empty_flat(by_key)
+        writer = FileSystemWriterAsync(
+            str(checkpoint_dir),
+            thread_count=self.thread_count,
+            separation_hint=self.separation_hint,
+        )
+        writer, metadata, structure = save_state_dict_async_plan(
+            by_key,
+            writer,
+            self.process_group,
+            planner=MCoreSavePlanner(),
+            cached_ckpt_structure=self._cached_structure if self.cached_metadata else None,
+        )
+        if self.cached_metadata:
+            self._cached_structure = structure
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        finalize = partial(save_state_dict_async_finalize, writer, metadata, self.process_group)
+        return AsyncRequest(save_fn, tuple(save_args), [finalize], preload_fn=preload_fn)
+
+
+def _metadata_path(checkpoint_dir: str | Path) -> str:
+    return filesystem_for(checkpoint_dir).join(str(checkpoint_dir), METADATA_FNAME)
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ShardedTensors and ShardedObjects from a PyTorch DCP checkpoint.
+
+    Args:
+        process_group: the ranks that load together (errors are raised on all).
+        trusted: load ShardedObject payloads with plain pickle (only for
+            checkpoints you wrote).
+        allowed_types: extra classes ShardedObject payloads may contain.
+    """
+
+    def __init__(
+        self,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        trusted: bool = False,
+        allowed_types: Sequence[type] = (),
+    ) -> None:
+        self.process_group = process_group
+        self.trusted = trusted
+        self.allowed_types = tuple(allowed_types)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        check_compatibility(self, "sharded backend", loaded_backend, BACKEND)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        check_compatibility(self, "sharded backend version", loaded_version, VERSION)
+
+    def _object_loader(self, checkpoint_dir: str | Path) -> Any:
+        def load(data: bytes, key: str) -> Any:
+            return safe_torch_load(
+                data,
+                source=f"{checkpoint_dir}: object '{key}'",
+                trusted=self.trusted,
+                allowed_types=self.allowed_types,
+            )
+
+        return load
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
+        """Fill every ShardedTensor/ShardedObject of the request (collective).
+
+        ShardedTensors without data are allocated on the CPU. Returns the state
+        dict with each leaf replaced by its loaded tensor or object.
+        """
+        error: BaseException | None = None
+        try:
+            by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+            by_key = _drop_empty_flat(by_key)
+            for shards in by_key.values():
+                for sh in shards:
+                    if isinstance(sh, ShardedTensor) and sh.data is None:
+                        sh.init_data("cpu")
+            self._read(by_key, checkpoint_dir)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        raise_on_all_ranks(error, self.process_group, what=f"Loading {checkpoint_dir}")
+        return dict_list_map_outplace(
+            lambda x: x.data if isinstance(x, ShardedBase) else x, sharded_state_dict
+        )
+
+    def _read(self, by_key: dict[str, list[ShardedBase]], checkpoint_dir: str | Path) -> None:
+        reader = FileSystemReader(str(checkpoint_dir))
+        metadata = reader.read_metadata()
+        is_coordinator = not dist.is_initialized() or dist.get_rank(self.process_group) == 0
+        planner = MCoreLoadPlanner(self._object_loader(checkpoint_dir))
+        planner.set_up_planner(by_key, metadata, is_coordinator)
+        reader.set_up_storage_reader(metadata, is_coordinator)
+        plan = reader.prepare_local_plan(planner.create_local_plan())
+        plan = planner.finish_plan(plan)
+        reader.read_data(plan, planner).wait()
+        planner.check_complete()
+
+    def load_tensors_metadata(
+        self, checkpoint_dir: str | Path, metadata: Metadata | None = None
+    ) -> ShardedStateDict:
+        """Data-less ShardedTensors (logical global shape and dtype) by key.
+
+        Tensors stored in the N-D reformulated (flat) form are reported with their
+        logical shape, as flat ShardedTensors covering the whole tensor.
+        """
+        if metadata is None:
+            metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
+        mcore_data = getattr(metadata, "mcore_data", None) or {}
+        out: ShardedStateDict = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            dtype = md.properties.dtype
+            orig = mcore_data.get(key, {}).get(ND_REFORMULATED_SHAPE_KEY)
+            if orig is None:
+                meta = torch.empty(tuple(md.size), dtype=dtype, device="meta")
+                out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
+            else:
+                shape = tuple(orig)
+                numel = int(torch.Size(shape).numel())
+                flat = torch.empty(numel, dtype=dtype, device="meta")
+                out[key] = ShardedTensor.from_rank_offsets_flat(
+                    key, flat, shape, flattened_range=slice(0, numel)
+                ).without_data()
+        return out
+
+    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
+        """Tensors (see :meth:`load_tensors_metadata`) and ShardedObjects (by unique key)."""
+        from ..common import COMMON_STATE_OBJECT_KEY
+
+        metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
+        out: ShardedStateDict = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata) and key != COMMON_STATE_OBJECT_KEY:
+                obj = ShardedObject.empty_from_unique_key(key)
+                out[obj.unique_key] = obj
+        out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+        return out
+
+    def remove_sharded_tensors(self, checkpoint_dir: str | Path, key_prefix: str) -> None:
+        """Remove the tensors whose key starts with ``key_prefix`` (run on one rank).
+
+        Crash-safe: the new ``.metadata`` is durable before any data file is
+        deleted, and a data file that still holds other items is kept.
+        """
+        fs = filesystem_for(checkpoint_dir)
+        old = FileSystemReader(str(checkpoint_dir)).read_metadata()
+        keep_sd = {
+            k: v
+            for k, v in old.state_dict_metadata.items()
+            if not (isinstance(v, TensorStorageMetadata) and k.startswith(key_prefix))
+        }
+        keep_storage = {i: v for i, v in (old.storage_data or {}).items() if i.fqn in keep_sd}
+        new = Metadata(
+            state_dict_metadata=keep_sd,
+            planner_data=old.planner_data,
+            storage_data=keep_storage,
+            storage_meta=old.storage_meta,
+            version=getattr(old, "version", None),
+        )
+        mcore_data = getattr(old, "mcore_data", None)
+        if mcore_data is not None:
+            new.mcore_data = {k: v for k, v in mcore_data.items() if k in keep_sd}  # type: ignore[attr-defined]
+        fs.atomic_write(_metadata_path(checkpoint_dir), pickle.dumps(new))
+        used = {info.relative_path for info in keep_storage.values()}
+        for info in (old.storage_data or {}).values():
+            if info.relative_path not in used:
+                path = fs.join(str(checkpoint_dir), info.relative_path)
+                if fs.exists(path):
+                    fs.remove(path)
+                    used.add(info.relative_path)  # remove each file once

@@ -1,0 +1,588 @@
+"""The ``torch.save`` zip of one tensor: a fast writer and a fast parser.
+
+DCP stores every tensor item as a complete ``torch.save`` archive of the chunk.
+``torch.save`` has a high fixed cost per call and computes CRC-32 slowly, so
+:func:`write_tensor` writes the same archive itself, byte for byte: records
+``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``, ``data/0``
+(64-byte aligned), ``version``, ``.data/serialization_id``, then the central
+directory and zip64 end records. On first use per dtype it compares its output with
+``torch.save``'s; any difference (another torch version, another storage alignment)
+disables it for that dtype and ``torch.save`` is used instead, as it is for tensors
+it does not handle (non-plain, non-contiguous, or archives of 4 GiB or more).
+
+:func:`parse_tensor_item` locates the tensor bytes of such an archive and reads its
+dtype, shape and strides with a restricted unpickler, so a reader can copy exactly
+the bytes it needs. It raises :class:`NotFastPath` for anything unexpected; the
+caller then falls back to ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import logging
+import pickle
+import struct
+import sys
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from .._torch_compat import legacy_storage_name, rebuild_tensor_v2, rebuild_tensor_v3
+
+logger = logging.getLogger(__name__)
+
+_ARCHIVE = "archive/"
+_ALIGNMENT = 64
+_FLAGS = 0x0808  # data descriptor follows each record; UTF-8 names
+_FLAGS_EMPTY = 0x0800
+_U32 = 0xFFFFFFFF
+_U64 = (1 << 64) - 1
+# Archives up to this size need no zip64 fields in local/central headers.
+_MAX_FAST_BYTES = _U32 - (1 << 20)
+# Large tensors are checksummed and written in pieces of this size.
+_CHUNK_BYTES = 64 << 20
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_DESCRIPTOR = struct.Struct("<IIII")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_EOCD = struct.Struct("<IHHHHIIH")
+_SIG_LOCAL, _SIG_DESCRIPTOR, _SIG_CENTRAL = 0x04034B50, 0x08074B50, 0x02014B50
+_SIG_ZIP64_EOCD, _SIG_ZIP64_LOCATOR, _SIG_EOCD = 0x06064B50, 0x07064B50, 0x06054B50
+
+_BEFORE_DATA = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
+_VERSION = ("version", b"3\n")
+_SERIALIZATION_ID = ".data/serialization_id"
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_tensor(stream: BinaryIO, tensor: torch.Tensor) -> int:
+    """Write ``torch.save(tensor)`` to ``stream``; return the number of bytes written.
+
+    ``tensor`` must be on the CPU. The bytes equal ``torch.save``'s output.
+    """
+    if not _fast_path_applies(tensor):
+        start = stream.tell()
+        torch.save(tensor, stream)
+        return stream.tell() - start
+    data = _byte_view(tensor)
+    template = _template(
+        _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())), len(data)
+    )
+    stream.write(template.head)
+    crc = 0
+    for start in range(0, len(data), _CHUNK_BYTES):
+        piece = data[start : start + _CHUNK_BYTES]
+        crc = zlib.crc32(piece, crc)
+        stream.write(piece)
+    tail = template.tail(crc)
+    stream.write(tail)
+    return len(template.head) + len(data) + len(tail)
+
+
+def serialize_tensor(tensor: torch.Tensor) -> bytes:
+    """``torch.save(tensor)`` as bytes, through :func:`write_tensor`."""
+    buf = io.BytesIO()
+    write_tensor(buf, tensor)
+    return buf.getvalue()
+
+
+def _fast_path_applies(t: torch.Tensor) -> bool:
+    return (
+        type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.requires_grad
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        and t.numel() * t.element_size() <= _MAX_FAST_BYTES
+        and fast_path_supported(t.dtype)
+    )
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    # c10::hash_combine on a 64-bit size_t, as torch's zip writer uses it.
+    return (seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _U64)) & _U64
+
+
+def _flags(size: int) -> int:
+    # An empty record gets no data descriptor (so its crc is not in the id hash either).
+    return _FLAGS if size else _FLAGS_EMPTY
+
+
+def _local_header(offset: int, name: bytes, size: int) -> bytes:
+    start = offset + _LOCAL.size + len(name) + 4
+    pad = -start % _ALIGNMENT
+    extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    header = _LOCAL.pack(_SIG_LOCAL, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra))
+    return header + name + extra
+
+
+def _descriptor(crc: int, size: int) -> bytes:
+    return _DESCRIPTOR.pack(_SIG_DESCRIPTOR, crc, size, size) if size else b""
+
+
+def _central(name: bytes, offset: int, crc: int, size: int) -> bytes:
+    fields = (_SIG_CENTRAL, 0, 0, _flags(size), 0, 0, 0, crc, size, size, len(name))
+    return _CENTRAL.pack(*fields, 0, 0, 0, 0, 0, offset) + name
+
+
+def _record(offset: int, name: str, payload: bytes) -> tuple[bytes, bytes, int]:
+    """(local header + payload + descriptor, central entry, crc) of a small record."""
+    full = (_ARCHIVE + name).encode()
+    crc = zlib.crc32(payload)
+    local = _local_header(offset, full, len(payload)) + payload + _descriptor(crc, len(payload))
+    return local, _central(full, offset, crc, len(payload)), crc
+
+
+@dataclass(frozen=True)
+class _Template:
+    """The archive of a tensor with a given ``data.pkl`` and byte size, minus the parts
+    that depend on the tensor bytes' crc (filled in by :meth:`tail`)."""
+
+    head: bytes  # every record before the tensor bytes, and data/0's local header
+    nbytes: int
+    seed: int  # id hash over the crcs of the records before data/0
+    data_header_offset: int
+    version_record: bytes  # the "version" record, after data/0
+    version_crc: int
+    sid_offset: int  # offset of the serialization id record
+    central_head: bytes  # central entries of the records before data/0
+    central_version: bytes
+    name_hash: str
+
+    def tail(self, crc: int) -> bytes:
+        combined = _hash_combine(self.seed, crc) if self.nbytes else self.seed
+        combined = _hash_combine(combined, self.version_crc)
+        sid_local, sid_central, _ = _record(
+            self.sid_offset, _SERIALIZATION_ID, f"{self.name_hash}{combined:020d}".encode()
+        )
+        data_name = (_ARCHIVE + "data/0").encode()
+        central = b"".join(
+            (
+                self.central_head,
+                _central(data_name, self.data_header_offset, crc, self.nbytes),
+                self.central_version,
+                sid_central,
+            )
+        )
+        cd_offset = self.sid_offset + len(sid_local)
+        end_offset = cd_offset + len(central)
+        n = len(_BEFORE_DATA) + 4  # data.pkl, the records before data/0, data/0, version, id
+        end = (
+            _ZIP64_EOCD.pack(_SIG_ZIP64_EOCD, 44, 0x031E, 0x2D, 0, 0, n, n, len(central), cd_offset)
+            + _ZIP64_LOCATOR.pack(_SIG_ZIP64_LOCATOR, 0, end_offset, 1)
+            + _EOCD.pack(_SIG_EOCD, 0, 0, n, n, len(central), cd_offset, 0)
+        )
+        parts = (_descriptor(crc, self.nbytes), self.version_record, sid_local, central, end)
+        return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _template(pickled: bytes, nbytes: int) -> _Template:
+    name_hash = _record_name_hash()
+    if name_hash is None:
+        raise RuntimeError("the fast torch.save writer is disabled")  # see fast_path_supported
+    head = bytearray()
+    central = bytearray()
+    seed = 0
+    for name, payload in (("data.pkl", pickled), *_BEFORE_DATA):
+        local, entry, crc = _record(len(head), name, payload)
+        head += local
+        central += entry
+        seed = _hash_combine(seed, crc)
+    data_header_offset = len(head)
+    head += _local_header(data_header_offset, (_ARCHIVE + "data/0").encode(), nbytes)
+    version_offset = len(head) + nbytes + len(_descriptor(0, nbytes))
+    version_record, central_version, version_crc = _record(version_offset, *_VERSION)
+    return _Template(
+        head=bytes(head),
+        nbytes=nbytes,
+        seed=seed,
+        data_header_offset=data_header_offset,
+        version_record=version_record,
+        version_crc=version_crc,
+        sid_offset=version_offset + len(version_record),
+        central_head=bytes(central),
+        central_version=central_version,
+        name_hash=name_hash,
+    )
+
+
+class _StorageStub:
+    """Stands for the tensor's storage in the pickle (see _StubPickler.persistent_id)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: tuple[Any, ...]) -> None:
+        self.pid = pid
+
+
+class _TensorStub:
+    """Pickles exactly like a plain CPU tensor (the reduce value torch uses)."""
+
+    __slots__ = ("reduce_value",)
+
+    def __init__(self, reduce_value: tuple[Any, ...]) -> None:
+        self.reduce_value = reduce_value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.reduce_value
+
+
+class _StubPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if type(obj) is _StorageStub else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
+    """``data.pkl`` of a contiguous tensor that owns its whole storage (storage key "0")."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    storage_name = legacy_storage_name(dtype)
+    args: tuple[Any, ...]
+    reduce_value: tuple[Any, ...]
+    if storage_name is None:  # untyped storage: numel counts bytes; dtype passed explicitly
+        pid = ("storage", torch.UntypedStorage, "0", "cpu", numel * _itemsize(dtype))
+        args = (_StorageStub(pid), 0, shape, stride, False, collections.OrderedDict(), dtype)
+        reduce_value = (rebuild_tensor_v3, args)
+    else:
+        pid = ("storage", getattr(torch, storage_name), "0", "cpu", numel)
+        args = (_StorageStub(pid), 0, shape, stride, False, collections.OrderedDict())
+        reduce_value = (rebuild_tensor_v2, args)
+    buf = io.BytesIO()
+    _StubPickler(buf, protocol=2).dump(_TensorStub(reduce_value))
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=1)
+def _record_name_hash() -> str | None:
+    """First half of torch's serialization id: a hash of the record names, constant for
+    one-tensor archives. Learned from torch.save (None if it cannot be read)."""
+    try:
+        buf = io.BytesIO()
+        torch.save(torch.zeros(1), buf)
+        with zipfile.ZipFile(buf) as zf:
+            sid = zf.read(_ARCHIVE + _SERIALIZATION_ID).decode()
+        return sid[:20] if len(sid) == 40 and sid.isdigit() else None
+    except Exception as exc:  # noqa: BLE001 - the fast path is an optimization
+        logger.warning("cannot learn torch.save's serialization id layout: %s", exc)
+        return None
+
+
+@functools.cache
+def fast_path_supported(dtype: torch.dtype) -> bool:
+    """Whether the fast writer reproduces ``torch.save`` exactly for ``dtype``.
+
+    Probed once per dtype and process (an empty and a 2x3 tensor), and cached.
+    """
+    if _record_name_hash() is None:
+        return False
+    try:
+        for shape in ((2, 3), (0,)):
+            numel = 1
+            for s in shape:
+                numel *= s
+            raw = torch.arange(numel * _itemsize(dtype), dtype=torch.uint8)
+            probe = raw.view(dtype).reshape(shape)
+            expected = io.BytesIO()
+            torch.save(probe, expected)
+            data = _byte_view(probe)
+            template = _template(_tensor_pickle(dtype, shape, probe.stride()), len(data))
+            ours = template.head + bytes(data) + template.tail(zlib.crc32(data))
+            if ours != expected.getvalue():
+                logger.warning(
+                    "fast torch.save writer disabled for %s: its output differs from "
+                    "torch.save (torch %s); using torch.save",
+                    dtype,
+                    torch.__version__,
+                )
+                return False
+    except Exception as exc:  # noqa: BLE001 - the fast path is an optimization
+        logger.debug("fast torch.save writer disabled for %s: %s", dtype, exc)
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class NotFastPath(Exception):
+    """The item is not a plain one-tensor archive this parser handles (use torch.load)."""
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where a tensor's bytes are inside a ``torch.save`` item, and what they hold."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements
+    data_offset: int  # byte offset of the storage bytes inside the item
+    data_length: int  # bytes of the storage record
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    dtype: torch.dtype | None  # None: untyped storage (numel counts bytes)
+    key: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    storage: _StorageRef
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _TypedStorageClass:
+    dtype: torch.dtype
+
+
+_UNTYPED = object()
+
+
+@functools.lru_cache(maxsize=1)
+def _legacy_storage_dtypes() -> dict[str, torch.dtype]:
+    names = {}
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype):
+            name = legacy_storage_name(value)
+            if name is not None:
+                names[name] = value
+    return names
+
+
+def _spec_v2(
+    storage: Any,
+    storage_offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    backward_hooks: Any,
+    metadata: Any = None,
+) -> _TensorSpec:
+    if metadata or storage.dtype is None:
+        raise NotFastPath("tensor metadata or untyped storage with _rebuild_tensor_v2")
+    return _TensorSpec(storage, storage_offset, tuple(size), tuple(stride), storage.dtype)
+
+
+def _spec_v3(
+    storage: Any,
+    storage_offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    backward_hooks: Any,
+    dtype: torch.dtype,
+    metadata: Any = None,
+) -> _TensorSpec:
+    if metadata or storage.dtype is not None or not isinstance(dtype, torch.dtype):
+        raise NotFastPath("tensor metadata or typed storage with _rebuild_tensor_v3")
+    return _TensorSpec(storage, storage_offset, tuple(size), tuple(stride), dtype)
+
+
+class _TensorPickleReader(pickle.Unpickler):
+    """Reads ``data.pkl`` of a one-tensor archive into a _TensorSpec; nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _spec_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _spec_v3
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _UNTYPED
+        if module == "torch":
+            dtype = _legacy_storage_dtypes().get(name)
+            if dtype is not None:
+                return _TypedStorageClass(dtype)
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                return value
+        raise NotFastPath(f"unexpected global {module}.{name} in data.pkl")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise NotFastPath(f"unexpected persistent id {pid!r}")
+        _, storage_type, key, _location, numel = pid
+        if storage_type is _UNTYPED:
+            return _StorageRef(None, str(key), int(numel))
+        if isinstance(storage_type, _TypedStorageClass):
+            return _StorageRef(storage_type.dtype, str(key), int(numel))
+        raise NotFastPath(f"unexpected storage type {storage_type!r}")
+
+
+@dataclass(frozen=True)
+class _Record:
+    header_offset: int
+    method: int
+    compressed: int
+    size: int
+
+
+ReadAt = Callable[[int, int], bytes | memoryview]
+
+
+def parse_tensor_item(read_at: ReadAt, length: int) -> TensorRecord:
+    """Locate and describe the tensor of a ``torch.save`` item of ``length`` bytes.
+
+    ``read_at(offset, n)`` returns ``n`` bytes of the item starting at ``offset``
+    (and raises on a short read). Raises :class:`NotFastPath` for anything unexpected.
+    """
+    records = _central_directory(read_at, length)
+    names = [n for n in records if n.endswith("/data.pkl")]
+    if len(names) != 1:
+        raise NotFastPath(f"expected one data.pkl record, found {names}")
+    prefix = names[0][: -len("data.pkl")]
+    pkl = records[names[0]]
+    if pkl.method != 0 or pkl.compressed != pkl.size:
+        raise NotFastPath("compressed data.pkl")
+    pkl_start = _data_start(read_at, pkl, length)
+    try:
+        spec = _TensorPickleReader(io.BytesIO(bytes(read_at(pkl_start, pkl.size)))).load()
+    except NotFastPath:
+        raise
+    except Exception as exc:
+        raise NotFastPath(f"data.pkl not readable: {exc}") from exc
+    if not isinstance(spec, _TensorSpec):
+        raise NotFastPath(f"data.pkl holds {type(spec).__name__}, not one tensor")
+    byteorder = records.get(prefix + "byteorder")
+    if byteorder is not None:
+        order = bytes(read_at(_data_start(read_at, byteorder, length), byteorder.size))
+        if order != sys.byteorder.encode():
+            raise NotFastPath(f"byte order {order!r}")
+    data = records.get(f"{prefix}data/{spec.storage.key}")
+    if data is None or data.method != 0 or data.compressed != data.size:
+        raise NotFastPath(f"storage record data/{spec.storage.key} missing or compressed")
+    itemsize = _itemsize(spec.dtype)
+    storage_bytes = spec.storage.numel * (itemsize if spec.storage.dtype is not None else 1)
+    numel = 1
+    for s in spec.shape:
+        numel *= s
+    if storage_bytes != data.size or (spec.storage_offset + numel) * itemsize > data.size:
+        raise NotFastPath("storage size does not match the tensor")
+    if numel and not _is_contiguous(spec.shape, spec.stride):
+        raise NotFastPath(f"non-contiguous stored tensor (stride {spec.stride})")
+    return TensorRecord(
+        dtype=spec.dtype,
+        shape=spec.shape,
+        stride=spec.stride,
+        storage_offset=spec.storage_offset,
+        data_offset=_data_start(read_at, data, length),
+        data_length=data.size,
+    )
+
+
+def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return len(shape) == len(stride)
+
+
+def _central_directory(read_at: ReadAt, length: int) -> dict[str, _Record]:
+    if length < _EOCD.size:
+        raise NotFastPath("item too short for a zip archive")
+    sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack(
+        read_at(length - _EOCD.size, _EOCD.size)
+    )
+    if sig != _SIG_EOCD or comment != 0:
+        raise NotFastPath("no end-of-central-directory record at the end of the item")
+    locator_at = length - _EOCD.size - _ZIP64_LOCATOR.size
+    if locator_at >= 0:
+        loc = _ZIP64_LOCATOR.unpack(read_at(locator_at, _ZIP64_LOCATOR.size))
+        if loc[0] == _SIG_ZIP64_LOCATOR:
+            if loc[2] + _ZIP64_EOCD.size > locator_at:
+                raise NotFastPath("zip64 end record out of range")
+            z = _ZIP64_EOCD.unpack(read_at(loc[2], _ZIP64_EOCD.size))
+            if z[0] != _SIG_ZIP64_EOCD:
+                raise NotFastPath("bad zip64 end record")
+            count, cd_size, cd_offset = z[7], z[8], z[9]
+    if cd_offset + cd_size > length or count > 64:
+        raise NotFastPath("central directory out of range")
+    cd = memoryview(bytes(read_at(cd_offset, cd_size)))
+    records: dict[str, _Record] = {}
+    pos = 0
+    for _ in range(count):
+        if pos + _CENTRAL.size > len(cd):
+            raise NotFastPath("truncated central directory")
+        f = _CENTRAL.unpack_from(cd, pos)
+        if f[0] != _SIG_CENTRAL:
+            raise NotFastPath("bad central directory entry")
+        name_len, extra_len, comment_len = f[10], f[11], f[12]
+        name = bytes(cd[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len]).decode("utf-8")
+        extra = cd[pos + _CENTRAL.size + name_len : pos + _CENTRAL.size + name_len + extra_len]
+        compressed, size, offset = f[8], f[9], f[16]
+        if _U32 in (compressed, size, offset):
+            size, compressed, offset = _zip64_fields(bytes(extra), size, compressed, offset)
+        records[name] = _Record(offset, f[4], compressed, size)
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+    return records
+
+
+def _zip64_fields(extra: bytes, size: int, compressed: int, offset: int) -> tuple[int, int, int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, pos)
+        if tag == 0x0001:
+            values = iter(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
+            size = next(values) if size == _U32 else size
+            compressed = next(values) if compressed == _U32 else compressed
+            offset = next(values) if offset == _U32 else offset
+            return size, compressed, offset
+        pos += 4 + n
+    raise NotFastPath("zip64 sizes without a zip64 extra field")
+
+
+def _data_start(read_at: ReadAt, record: _Record, length: int) -> int:
+    if record.header_offset + _LOCAL.size > length:
+        raise NotFastPath("local header out of range")
+    f = _LOCAL.unpack(read_at(record.header_offset, _LOCAL.size))
+    if f[0] != _SIG_LOCAL:
+        raise NotFastPath("bad local header")
+    start = record.header_offset + _LOCAL.size + f[9] + f[10]
+    if start + record.size > length:
+        raise NotFastPath("record data out of range")
+    return start
+
+
+__all__ = [
+    "NotFastPath",
+    "TensorRecord",
+    "fast_path_supported",
+    "parse_tensor_item",
+    "serialize_tensor",
+    "write_tensor",
+]

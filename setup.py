@@ -1,0 +1,49 @@
+"""Packaging of dist_checkpointing. Tool configuration (ruff, mypy, pytest) is in pyproject.toml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).resolve().parent
+
+DEV_REQUIRES = [
+    "pytest>=8",
+    "pytest-timeout>=2.2",
+    "hypothesis>=6",
+    "ruff>=0.6",
+    "mypy>=1.10",
+]
+DOCS_REQUIRES = ["sphinx>=7"]
+
+setup(
+    name="dist_checkpointing",
+    version="0.1.0",
+    description=(
+        "Save and load sharded model state across torch.distributed ranks, compatible with "
+        "Megatron-Core dist_checkpointing and the PyTorch DCP on-disk format."
+    ),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(exclude=["tests", "tests.*", "bench", "bench.*", "examples", "docs"]),
+    package_data={"dist_checkpointing": ["py.typed"]},
+    include_package_data=False,
+    zip_safe=False,
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy", "psutil"],
+    extras_require={
+        "dev": DEV_REQUIRES + DOCS_REQUIRES,
+        "docs": DOCS_REQUIRES,
+        "cli": ["tqdm"],
+        "msc": ["multi-storage-client"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Operating System :: POSIX :: Linux",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Typing :: Typed",
+    ],
+)

@@ -1,0 +1,1 @@
+"""Test suite of dist_checkpointing (a package, so that rank functions pickle by module name)."""

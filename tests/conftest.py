@@ -1,0 +1,30 @@
+"""Suite-wide pytest configuration.
+
+- Tests marked ``gpu`` are skipped when no CUDA device is available.
+- Multi-rank tests use :func:`tests.harness.run_distributed`; parametrize their world size with
+  :func:`tests.harness.world_sizes` (``@world_sizes(1, 2, 4)``) or take the ``world_size``
+  fixture below, which runs the test with 1, 2 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import cuda_device_count
+
+DEFAULT_WORLD_SIZES = (1, 2, 4)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if cuda_device_count() > 0:
+        return
+    skip_gpu = pytest.mark.skip(reason="marked gpu and no CUDA device is available")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=DEFAULT_WORLD_SIZES, ids=[f"ws{size}" for size in DEFAULT_WORLD_SIZES])
+def world_size(request: pytest.FixtureRequest) -> int:
+    """World size of a multi-rank test: 1, 2 and 4 (override with ``@world_sizes(...)``)."""
+    return int(request.param)
