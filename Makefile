@@ -13,6 +13,7 @@ TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.install-stamp
 NPROC ?= 2
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 DOCS_BUILD := docs/_build
 
 .PHONY: help venv install lint format test test-fast demo docs bench clean distclean
@@ -52,19 +53,22 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/demo.py
+	OMP_NUM_THREADS=1 $(BIN)/python examples/demo.py
 
 docs: $(STAMP)
 	$(BIN)/sphinx-build -W --keep-going -b html docs $(DOCS_BUILD)/html
 	@echo "docs: open $(DOCS_BUILD)/html/index.html"
 
+# Every bench/*.py that is a script (has a __main__ block), each given $(BENCH_ARGS);
+# helper modules are skipped. Example: make bench BENCH_ARGS="--size-mib 64".
 bench: $(STAMP)
-	@shopt -s nullglob; scripts=(bench/*.py); \
-	if [ $${#scripts[@]} -eq 0 ]; then echo "bench: no bench/*.py yet"; exit 0; fi; \
-	for script in "$${scripts[@]}"; do \
-		echo "== $$script"; \
-		$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) "$$script"; \
-	done
+	@shopt -s nullglob; ran=0; \
+	for script in bench/*.py; do \
+		grep -q "__main__" "$$script" || continue; \
+		echo "== $$script"; ran=1; \
+		$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) "$$script" $(BENCH_ARGS); \
+	done; \
+	[ $$ran -eq 1 ] || echo "bench: no benchmark scripts in bench/"
 
 clean:
 	rm -rf build dist *.egg-info $(DOCS_BUILD) .pytest_cache .mypy_cache .ruff_cache .hypothesis

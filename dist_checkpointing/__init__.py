@@ -4,6 +4,8 @@ The public API mirrors Megatron-Core's ``dist_checkpointing`` (same names and
 parameters), on the same on-disk format (``torch_dist`` backend, version 1).
 """
 
+from __future__ import annotations
+
 from . import errors
 from .core import CheckpointingConfig, check_is_distributed_checkpoint
 from .errors import CheckpointingException

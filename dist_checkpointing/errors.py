@@ -64,6 +64,10 @@ class CheckpointWriteError(CheckpointingException, OSError):
     """Writing the checkpoint failed on some rank (worker error, disk full, ...)."""
 
 
+class InvalidArgumentError(CheckpointingException, ValueError):
+    """An argument of a public function has an invalid value (e.g. an unknown strict flag)."""
+
+
 class UnsupportedFeatureError(CheckpointingException, NotImplementedError):
     """The caller asked for a feature this library deliberately does not provide."""
 
@@ -81,5 +85,6 @@ __all__ = [
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
     "CheckpointWriteError",
+    "InvalidArgumentError",
     "UnsupportedFeatureError",
 ]

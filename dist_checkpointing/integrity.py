@@ -34,7 +34,7 @@ def file_digest(path: str | Path) -> str:
     view = memoryview(buf)
     with fs.open_read(str(path)) as f:
         while True:
-            n = f.readinto(view)  # type: ignore[attr-defined]
+            n = f.readinto(view)
             if not n:
                 break
             h.update(view[:n])

@@ -15,6 +15,7 @@ Same classes, parameters and semantics as Megatron-Core's
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -203,7 +204,9 @@ class ShardedTensor(ShardedBase):
         if not isinstance(data, torch.Tensor):
             raise self._fail(f"data must be a torch.Tensor, got {type(data).__name__}")
         if data.dtype != self.dtype:
-            raise self._fail(f"data dtype {data.dtype} differs from the declared dtype {self.dtype}")
+            raise self._fail(
+                f"data dtype {data.dtype} differs from the declared dtype {self.dtype}"
+            )
         if self.flattened_range is None:
             if tuple(data.shape) != self.local_shape:
                 raise self._fail(
@@ -223,10 +226,7 @@ class ShardedTensor(ShardedBase):
         return tuple(
             chain(
                 self.global_offset[:p],
-                (
-                    slice(off, off + sh)
-                    for off, sh in zip(self.global_offset[p:], self.local_shape)
-                ),
+                (slice(off, off + sh) for off, sh in zip(self.global_offset[p:], self.local_shape)),
             )
         )
 
@@ -271,7 +271,11 @@ class ShardedTensor(ShardedBase):
         return tuple(chunks)
 
     def without_data(self) -> ShardedTensor:
-        return replace(self, data=None)
+        # A shallow copy: the metadata was validated at construction (replace() would
+        # validate again, which dominates planning time for many small tensors).
+        out = copy.copy(self)
+        out.data = None
+        return out
 
     def init_data(self, device: str | torch.device, init_fn: Callable = torch.empty) -> None:
         """Allocate ``data`` (if not set) with ``init_fn(local_shape, dtype=, device=)``."""
@@ -292,7 +296,11 @@ class ShardedTensor(ShardedBase):
         """
         gdim = dim + self.prepend_axis_num
         local_len = self.local_shape[dim]
-        if local_len == 0 or self.global_shape[gdim] % local_len or self.global_offset[gdim] % local_len:
+        if (
+            local_len == 0
+            or self.global_shape[gdim] % local_len
+            or self.global_offset[gdim] % local_len
+        ):
             raise self._fail(
                 f"narrow needs a regular grid on axis {gdim}: global size {self.global_shape[gdim]}, "
                 f"offset {self.global_offset[gdim]}, local size {local_len}"
@@ -316,7 +324,9 @@ class ShardedTensor(ShardedBase):
                 )
             ]
         if dim != 0:
-            raise self._fail(f"narrowing a flat ShardedTensor is only supported on dim 0, got {dim}")
+            raise self._fail(
+                f"narrowing a flat ShardedTensor is only supported on dim 0, got {dim}"
+            )
         row = math.prod(self.local_shape[1:])
         # The flat range, expressed relative to the narrowed block.
         lo = self.flattened_range.start - row * start
@@ -479,7 +489,9 @@ class ShardedObject(ShardedBase):
                 )
 
     def without_data(self) -> ShardedObject:
-        return replace(self, data=None)
+        out = copy.copy(self)
+        out.data = None
+        return out
 
     @property
     def unique_key(self) -> str:
@@ -541,7 +553,9 @@ class ShardedTensorFactory(ShardedBase):
 
     def validate_metadata_integrity(self) -> None:
         if not callable(self.build_fn) or not callable(self.merge_fn):
-            raise MappingError(f"ShardedTensorFactory '{self.key}': build_fn and merge_fn must be callable")
+            raise MappingError(
+                f"ShardedTensorFactory '{self.key}': build_fn and merge_fn must be callable"
+            )
 
     def without_data(self) -> ShardedTensorFactory:
         return replace(self, data=None)
@@ -551,8 +565,10 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     """Replace every :class:`ShardedTensorFactory` by what it builds, in place."""
 
     def _build(x: Any) -> Any:
-        while isinstance(x, ShardedTensorFactory):
+        if isinstance(x, ShardedTensorFactory):
             x = x.build()
+            # A factory may build containers holding further factories.
+            x = dict_list_map_inplace(_build, x)
         return x
 
     dict_list_map_inplace(_build, sharded_state_dict)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from . import integrity
 from .core import CheckpointingConfig, maybe_load_config, save_config
 from .dict_utils import (
-    diff,
     dict_list_map_inplace,
+    diff,
     extract_matching_values,
     merge,
     nested_values,
@@ -66,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
 _DCP_METADATA_FNAME = ".metadata"
+# Files a save writes before its commit marker (metadata.json).
+_SAVE_ARTIFACTS = frozenset({_DCP_METADATA_FNAME, "common.pt", "integrity.json"})
 
 __all__ = [
     "save",
@@ -90,12 +92,14 @@ def get_default_save_sharded_strategy(
     backend: str = "torch_dist", version: int = 1
 ) -> SaveShardedStrategy:
     """The registered default sharded save strategy for ``(backend, version)``."""
-    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)  # type: ignore[no-any-return]
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
 
 
-def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> SaveCommonStrategy:
+def get_default_save_common_strategy(
+    backend: str = "torch", version: int = 1
+) -> SaveCommonStrategy:
     """The registered default common save strategy for ``(backend, version)``."""
-    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)  # type: ignore[no-any-return]
+    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
 
 
 def get_default_load_sharded_strategy(checkpoint_dir: str | Path) -> LoadShardedStrategy:
@@ -111,7 +115,7 @@ def _require_config(checkpoint_dir: str | Path) -> CheckpointingConfig:
     if config is not None:
         return config
     names = fs.listdir(str(checkpoint_dir))
-    if _DCP_METADATA_FNAME in names or any(n.endswith(".distcp") for n in names):
+    if any(n in _SAVE_ARTIFACTS or n.endswith(".distcp") for n in names):
         raise IncompleteCheckpointError(
             f"{checkpoint_dir} holds an incomplete checkpoint: metadata.json is missing, so its "
             "save never finished (or is still being finalized)"
@@ -167,9 +171,11 @@ def _filter_out_empty_flat(sharded_part: dict | list) -> dict | list:
     """Flat ShardedTensors with an empty range hold no data: drop them."""
     _, kept = extract_matching_values(
         sharded_part,
-        lambda x: isinstance(x, ShardedTensor)
-        and x.flattened_range is not None
-        and x.flattened_range.stop <= x.flattened_range.start,
+        lambda x: (
+            isinstance(x, ShardedTensor)
+            and x.flattened_range is not None
+            and x.flattened_range.stop <= x.flattened_range.start
+        ),
     )
     return kept
 
@@ -197,7 +203,11 @@ def _check_common_consistency(common_state_dict: CommonStateDict) -> None:
             logger.warning(
                 "Common state differs between rank 0 and rank %d (rank 0 wins): only on rank 0: "
                 "%s; only on rank %d: %s; different values: %s",
-                rank, only_0, rank, only_r, [m[0] for m in mismatch],
+                rank,
+                only_0,
+                rank,
+                only_r,
+                [m[0] for m in mismatch],
             )
 
 
@@ -407,7 +417,9 @@ def load_content_metadata(
     """The ``content_metadata`` given to :func:`save`, or None."""
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
-            raise CheckpointingException("load_content_metadata needs checkpoint_dir or a state dict")
+            raise CheckpointingException(
+                "load_content_metadata needs checkpoint_dir or a state dict"
+            )
         preloaded_state_dict = load_common_state_dict(checkpoint_dir)
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
@@ -453,7 +465,8 @@ def _files_read_by(checkpoint_dir: str | Path, keys: set[str]) -> set[str]:
 
     metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
     return {
-        info.relative_path for index, info in (metadata.storage_data or {}).items()
+        info.relative_path
+        for index, info in (metadata.storage_data or {}).items()
         if index.fqn in keys
     }
 
@@ -535,4 +548,4 @@ def load(
     result = apply_factory_merges(common_state_dict, factories)
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
-    return result  # type: ignore[no-any-return]
+    return result

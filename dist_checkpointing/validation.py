@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .dict_utils import extract_matching_values, nested_values
-from .errors import CheckpointingException, KeyMismatchError, ShardingError
+from .errors import CheckpointingException, InvalidArgumentError, KeyMismatchError, ShardingError
 from .mapping import (
     ShardedBase,
     ShardedObject,
@@ -94,7 +94,7 @@ def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
         except ValueError:
             pass
     options = ", ".join(repr(s.value) for s in StrictHandling)
-    raise CheckpointingException(f"Invalid strict flag {strict!r}; expected one of {options}")
+    raise InvalidArgumentError(f"Invalid strict flag {strict!r}; expected one of {options}")
 
 
 # --------------------------------------------------------------------------- sharding
@@ -170,10 +170,14 @@ def _gap_description(global_shape: tuple[int, ...], blocks: list[_Block]) -> str
     return f"{len(missing)} of {numel} elements are not covered (within region {region})"
 
 
-def _flat_blocks(key: str, shards: list[tuple[int, ShardedTensor]]) -> tuple[list[_Block], list[str]]:
+def _flat_blocks(
+    key: str, shards: list[tuple[int, ShardedTensor]]
+) -> tuple[list[_Block], list[str]]:
     """Group flat main replicas by block; each block's flat ranges must tile it exactly."""
     problems: list[str] = []
-    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, slice]]] = defaultdict(list)
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, slice]]] = defaultdict(
+        list
+    )
     for rank, sh in shards:
         assert sh.flattened_range is not None  # only flat shards are passed here
         groups[(tuple(sh.global_offset), _chunk_shape(sh))].append((rank, sh.flattened_range))
@@ -216,7 +220,11 @@ def _tensor_key_problems(key: str, shards: list[tuple[int, ShardedTensor]]) -> l
     if not main:
         return [f"'{key}': no rank holds a main replica (replica_id 0)"]
     flat = [(r, sh) for r, sh in main if sh.flattened_range is not None]
-    blocks = [_Block(r, tuple(sh.global_offset), _chunk_shape(sh)) for r, sh in main if sh.flattened_range is None]
+    blocks = [
+        _Block(r, tuple(sh.global_offset), _chunk_shape(sh))
+        for r, sh in main
+        if sh.flattened_range is None
+    ]
     problems: list[str] = []
     if flat:
         flat_blocks, problems = _flat_blocks(key, flat)
@@ -249,9 +257,7 @@ def _object_key_problems(key: str, shards: list[tuple[int, ShardedObject]]) -> l
     ]
     grid = shapes.pop()
     if len(owners) != math.prod(grid):
-        missing = [
-            off for off in np.ndindex(*grid) if tuple(int(i) for i in off) not in owners
-        ]
+        missing = [off for off in np.ndindex(*grid) if tuple(int(i) for i in off) not in owners]
         problems.append(
             f"'{key}': {len(missing)} of {math.prod(grid)} object shards have no main replica "
             f"(e.g. offsets {[tuple(int(i) for i in m) for m in missing[:5]]})"
@@ -429,7 +435,10 @@ def validate_sharding_integrity_on_all_ranks(
     """Check the sharding on the first rank of the group; every rank raises the same error."""
     problems: list[str] | None = None
     if not dist.is_initialized() or dist.get_rank(process_group) == 0:
-        problems = sharding_integrity_problems(global_metadata)
+        try:
+            problems = sharding_integrity_problems(global_metadata)
+        except Exception as e:  # noqa: BLE001 - must reach the other ranks, not hang them
+            problems = [f"the sharding check itself failed: {type(e).__name__}: {e}"]
     if dist.is_initialized() and dist.get_world_size(process_group) > 1:
         box = [problems]
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0

@@ -84,7 +84,9 @@ def build_state_dict(tp: int, rank: int) -> dict:
         ),
         "optimizer": {
             "exp_avg.final_norm": flat_slice("optimizer.exp_avg.final_norm", (HIDDEN,), rank, tp),
-            "exp_avg.embedding": flat_slice("optimizer.exp_avg.embedding", (VOCAB, HIDDEN), rank, tp),
+            "exp_avg.embedding": flat_slice(
+                "optimizer.exp_avg.embedding", (VOCAB, HIDDEN), rank, tp
+            ),
             "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95)}],
         },
         "rng_state": ShardedObject("rng_state", {"seed": 1234 + rank}, (tp,), (rank,)),
@@ -171,8 +173,13 @@ def worker(phase: str, ckpt: str, tp: int, saved_tp: int) -> None:
 
 def launch(nproc: int, *args: str) -> None:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", __file__, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+        *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env)

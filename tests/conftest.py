@@ -1,12 +1,15 @@
 """Suite-wide pytest configuration.
 
 - Tests marked ``gpu`` are skipped when no CUDA device is available.
+- Every test gets a fresh strategy registry (changes made by a test are undone).
 - Multi-rank tests use :func:`tests.harness.run_distributed`; parametrize their world size with
   :func:`tests.harness.world_sizes` (``@world_sizes(1, 2, 4)``) or take the ``world_size``
   fixture below, which runs the test with 1, 2 and 4 ranks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 
@@ -28,3 +31,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def world_size(request: pytest.FixtureRequest) -> int:
     """World size of a multi-rank test: 1, 2 and 4 (override with ``@world_sizes(...)``)."""
     return int(request.param)
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry() -> Iterator[None]:
+    """Snapshot the default-strategy registry and restore it after the test."""
+    from dist_checkpointing.strategies import base
+
+    saved = dict(base._REGISTRY)
+    try:
+        yield
+    finally:
+        base._REGISTRY.clear()
+        base._REGISTRY.update(saved)

@@ -99,6 +99,7 @@ START_METHOD_ENV = "DIST_CKPT_TEST_START_METHOD"
 _STACK_DUMP_SIGNAL = signal.SIGUSR1
 _STACK_DUMP_WAIT_S = 0.5
 _MAX_STACK_CHARS = 6000
+_MAX_SUMMARY_CHARS = 200  # of the one-line summary; the full message is in the traceback
 _PR_SET_PDEATHSIG = 1
 # Modules the forkserver imports once, so that each rank starts without importing them.
 _ALWAYS_PRELOAD = ("torch", "torch.distributed", "numpy", "psutil", "pytest", "tests.harness")
@@ -204,7 +205,11 @@ def _set_parent_death_signal() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
-def _set_rank_env(rank: int, world_size: int) -> None:
+def _set_rank_env(rank: int, world_size: int, parent_env: dict[str, str]) -> None:
+    # The forkserver's environment is a snapshot from its start: use the parent's current one,
+    # so that a test's monkeypatch.setenv reaches the ranks.
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -225,7 +230,10 @@ def _describe_exception(exc: BaseException) -> tuple[str, str, str]:
     if exc_type.__module__ not in ("builtins", "__main__"):
         name = f"{exc_type.__module__}.{name}"
     details = "".join(traceback.format_exception(exc))
-    return f"raised {exc_type.__qualname__}: {exc}", name, details
+    first_line = next(iter(str(exc).splitlines()), "")
+    if len(first_line) > _MAX_SUMMARY_CHARS:
+        first_line = first_line[:_MAX_SUMMARY_CHARS] + "..."
+    return f"raised {exc_type.__qualname__}: {first_line}", name, details
 
 
 def _run_fn(
@@ -261,6 +269,7 @@ def _rank_main(
     run_dir: str,
     backend: str,
     timeout_s: float,
+    parent_env: dict[str, str],
 ) -> None:
     """Entry point of one rank process."""
     with contextlib.suppress(OSError):
@@ -268,14 +277,14 @@ def _rank_main(
     _set_parent_death_signal()
     stack_file = open(os.path.join(run_dir, f"stacks_rank{rank}.txt"), "w")  # noqa: SIM115
     faulthandler.register(_STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
-    _set_rank_env(rank, world_size)
+    _set_rank_env(rank, world_size, parent_env)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         value = _run_fn(
             payload, rank, world_size, backend, os.path.join(run_dir, "filestore"), timeout_s
         )
         message = pickle.dumps(("ok", value), protocol=pickle.HIGHEST_PROTOCOL)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit etc. are failures of the rank too
+    except BaseException as exc:  # SystemExit etc. are failures of the rank too
         message = pickle.dumps(("error", _describe_exception(exc)))
     conn.send_bytes(message)
     conn.close()
@@ -338,7 +347,16 @@ class _Run:
             reader, writer = self.ctx.Pipe(duplex=False)
             proc = self.ctx.Process(
                 target=_rank_main,
-                args=(rank, self.world_size, payload, writer, self.run_dir, backend, timeout_s),
+                args=(
+                    rank,
+                    self.world_size,
+                    payload,
+                    writer,
+                    self.run_dir,
+                    backend,
+                    timeout_s,
+                    dict(os.environ),
+                ),
                 name=f"rank{rank}",
                 daemon=False,  # ranks may start worker processes of their own
             )
@@ -361,7 +379,7 @@ class _Run:
                 rank, "died", f"process {_describe_exit(proc.exitcode)} without a result"
             )
             return
-        except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be unpickled here
+        except Exception as exc:  # e.g. a result that cannot be unpickled here
             summary, exc_type, details = _describe_exception(exc)
             self.failures[rank] = RankFailure(
                 rank,

@@ -159,7 +159,10 @@ def test_nested_iterators() -> None:
     assert list(nested_values(x)) == [1, 2, 3, 4]
     assert list(nested_items_iter(x)) == [("a", 1), ("c", 2), (0, 3), ("e", 4)]
     assert list(nested_paths_iter(x)) == [
-        (("a",), 1), (("b", "c"), 2), (("b", "d", 0), 3), (("b", "d", 1, "e"), 4)
+        (("a",), 1),
+        (("b", "c"), 2),
+        (("b", "d", 0), 3),
+        (("b", "d", 1, "e"), 4),
     ]
     assert list(nested_values([1, [2]])) == [1, 2]
 
@@ -234,7 +237,9 @@ def test_merge_errors_name_the_path() -> None:
 def test_map_reduce() -> None:
     words = ["apple", "avocado", "banana", "blueberry", "cherry"]
     assert map_reduce(words, key_fn=lambda w: w[0]) == {
-        "a": ["apple", "avocado"], "b": ["banana", "blueberry"], "c": ["cherry"]
+        "a": ["apple", "avocado"],
+        "b": ["banana", "blueberry"],
+        "c": ["cherry"],
     }
     assert map_reduce(words, lambda w: w[0], len, sum) == {"a": 12, "b": 15, "c": 6}
     assert map_reduce([1, 2, 1]) == {1: [1, 1], 2: [2]}

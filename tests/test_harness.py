@@ -27,6 +27,10 @@ from tests.harness import (
 # ---------------------------------------------------------------------------- rank functions
 
 
+def _read_env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
 def _rank_and_sum() -> tuple[int, int, float, dict[str, str]]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tensor = torch.tensor([float(rank + 1)])
@@ -159,6 +163,15 @@ def test_world_size_fixture_defaults_to_1_2_4(
 ) -> None:
     assert request.node.callspec.id == f"ws{world_size}"
     assert world_size in (1, 2, 4)
+
+
+def test_ranks_see_the_parent_environment_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DIST_CKPT_HARNESS_PROBE", "first")
+    assert run_distributed(_read_env, 2, "DIST_CKPT_HARNESS_PROBE") == ["first", "first"]
+    monkeypatch.setenv("DIST_CKPT_HARNESS_PROBE", "second")
+    assert run_distributed(_read_env, 1, "DIST_CKPT_HARNESS_PROBE") == ["second"]
+    monkeypatch.delenv("DIST_CKPT_HARNESS_PROBE")
+    assert run_distributed(_read_env, 1, "DIST_CKPT_HARNESS_PROBE") == [None]
 
 
 def test_args_kwargs_and_tensor_results_travel_by_value(tmp_path: Path) -> None:

@@ -367,7 +367,12 @@ def test_flat_coordinates_with_prepended_axis() -> None:
     flat_range = slice(2, 6)
     data = block.flatten()[flat_range].clone()
     sh = ShardedTensor.from_rank_offsets_flat(
-        KEY, data, (2, 3), (0, layer, 3), (2, 1, 2), flattened_range=flat_range,
+        KEY,
+        data,
+        (2, 3),
+        (0, layer, 3),
+        (2, 1, 2),
+        flattened_range=flat_range,
         prepend_axis_num=1,
     )
     assert sh.global_offset == (2, 0, 3)
@@ -502,8 +507,16 @@ def test_without_data() -> None:
     assert meta.data is None
     assert sh.data is not None  # the original keeps its data
     for name in (
-        "key", "dtype", "local_shape", "global_shape", "global_offset", "axis_fragmentations",
-        "replica_id", "prepend_axis_num", "allow_shape_mismatch", "flattened_range",
+        "key",
+        "dtype",
+        "local_shape",
+        "global_shape",
+        "global_offset",
+        "axis_fragmentations",
+        "replica_id",
+        "prepend_axis_num",
+        "allow_shape_mismatch",
+        "flattened_range",
     ):
         assert getattr(meta, name) == getattr(sh, name), name
     # Metadata-only copies pickle small and compare equal.
@@ -633,8 +646,10 @@ def test_factory_round_trip() -> None:
 def test_factory_merge_with_list_of_factories() -> None:
     tensors = [torch.randn(2, 2), torch.randn(4, 1)]
     sharded_sd = {
-        "list": [ShardedTensorFactory(f"f{i}", t, _split_build_fn, _cat_merge_fn)
-                 for i, t in enumerate(tensors)]
+        "list": [
+            ShardedTensorFactory(f"f{i}", t, _split_build_fn, _cat_merge_fn)
+            for i, t in enumerate(tensors)
+        ]
     }
     factories, _ = extract_matching_values(
         sharded_sd, lambda x: isinstance(x, ShardedTensorFactory)
@@ -657,7 +672,7 @@ def test_factory_build_passes_its_fields() -> None:
     fac.validate_metadata_integrity()
     assert fac.without_data().data is None
     bad = ShardedTensorFactory("bad.factory", None, build_fn, "not callable")  # type: ignore[arg-type]
-    with pytest.raises(MappingError, match="bad.factory"):
+    with pytest.raises(MappingError, match=r"bad\.factory"):
         bad.validate_metadata_integrity()
 
 
@@ -685,8 +700,16 @@ def test_local_nonpersistent_object() -> None:
 
 @pytest.mark.parametrize(
     ("replica_id", "main"),
-    [(0, True), (1, False), (7, False), ((0,), True), ((0, 0, 0), True), ((0, 1, 0), False),
-     ((2, 0), False), ((), True)],
+    [
+        (0, True),
+        (1, False),
+        (7, False),
+        ((0,), True),
+        ((0, 0, 0), True),
+        ((0, 1, 0), False),
+        ((2, 0), False),
+        ((), True),
+    ],
 )
 def test_is_main_replica(replica_id: Any, main: bool) -> None:
     assert is_main_replica(replica_id) is main

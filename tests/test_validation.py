@@ -43,8 +43,17 @@ def _block(
 ) -> ShardedTensor:
     """Data-less ShardedTensor metadata, as gathered from a rank."""
     return ShardedTensor(
-        key, None, dtype, local_shape, global_shape, offset, None, replica_id,
-        prepend_axis_num, allow_shape_mismatch, flat,
+        key,
+        None,
+        dtype,
+        local_shape,
+        global_shape,
+        offset,
+        None,
+        replica_id,
+        prepend_axis_num,
+        allow_shape_mismatch,
+        flat,
     )
 
 
@@ -84,7 +93,7 @@ def test_parse_strict_flag_rejects_invalid_values(bad: Any) -> None:
 
 
 def test_strict_handling_predicates_match_megatron() -> None:
-    S = StrictHandling
+    S = StrictHandling  # noqa: N806 - short alias of the enum
     explicit = {m for m in S if S.requires_explicit_ckpt_mismatch_check(m)}
     assert explicit == set(S) - {S.ASSUME_OK_UNEXPECTED}
     global_md = {m for m in S if S.requires_global_app_metadata(m)}
@@ -290,8 +299,11 @@ def test_overlap_names_both_ranks_and_the_region() -> None:
 
 def test_every_overlapping_pair_is_reported() -> None:
     g = (4,)
-    metadata = [[_block("v", (0,), (4,), g)], [_block("v", (0,), (2,), g)],
-                [_block("v", (2,), (2,), g)]]
+    metadata = [
+        [_block("v", (0,), (4,), g)],
+        [_block("v", (0,), (2,), g)],
+        [_block("v", (2,), (2,), g)],
+    ]
     problems, _ = _problems_and_error(metadata)
     assert len(problems) == 2
     assert "rank 0 block [0:4], rank 1 block [0:2]" in problems[0]
@@ -415,7 +427,10 @@ def test_flat_block_missing_entirely() -> None:
 
 def test_flat_and_non_flat_copies_overlap() -> None:
     g = (2, 3)
-    metadata = [[_block("f", (0, 0), (2, 3), g, flat=slice(0, 6))], [_block("f", (0, 0), (2, 3), g)]]
+    metadata = [
+        [_block("f", (0, 0), (2, 3), g, flat=slice(0, 6))],
+        [_block("f", (0, 0), (2, 3), g)],
+    ]
     problems, _ = _problems_and_error(metadata)
     assert len(problems) == 1 and "overlap at [0:2, 0:3]" in problems[0]
 
@@ -443,8 +458,10 @@ def test_objects_duplicate_main_replica() -> None:
 
 
 def test_objects_missing_shard() -> None:
-    metadata = [[_obj("rng", (2, 2), (0, 0)), _obj("rng", (2, 2), (1, 1), replica=1)],
-                [_obj("rng", (2, 2), (0, 1))]]
+    metadata = [
+        [_obj("rng", (2, 2), (0, 0)), _obj("rng", (2, 2), (1, 1), replica=1)],
+        [_obj("rng", (2, 2), (0, 1))],
+    ]
     problems, _ = _problems_and_error(metadata)
     assert problems == [
         "'rng': 2 of 4 object shards have no main replica (e.g. offsets [(1, 0), (1, 1)])"

@@ -61,15 +61,19 @@ def _tensor_cover_is_exact(shards: list[ShardedTensor]) -> bool:
             continue
         p = sh.prepend_axis_num
         block_shape = (1,) * p + tuple(sh.local_shape)
-        if any(o + s > g for o, s, g in zip(sh.global_offset, block_shape, global_shape)):
+        if any(
+            o + s > g for o, s, g in zip(sh.global_offset, block_shape, global_shape, strict=True)
+        ):
             return False
         if sh.flattened_range is None:
-            counts[tuple(slice(o, o + s) for o, s in zip(sh.global_offset, block_shape))] += 1
+            counts[
+                tuple(slice(o, o + s) for o, s in zip(sh.global_offset, block_shape, strict=True))
+            ] += 1
         else:
             flat = np.arange(sh.flattened_range.start, sh.flattened_range.stop)
             local = np.unravel_index(flat, sh.local_shape)
             index = tuple(np.full(flat.shape, o) for o in sh.global_offset[:p]) + tuple(
-                c + o for c, o in zip(local, sh.global_offset[p:])
+                c + o for c, o in zip(local, sh.global_offset[p:], strict=True)
             )
             np.add.at(counts, index, 1)
     return bool(np.all(counts == 1))
@@ -140,7 +144,7 @@ def tensor_layouts(draw: st.DrawFn, key: str = "t", flat: bool | None = None) ->
         budget //= frag
         global_shape.append(size)
         frags.append(frag)
-    block = tuple(s // f for s, f in zip(global_shape, frags))
+    block = tuple(s // f for s, f in zip(global_shape, frags, strict=True))
     local_shape = block[prepend:]
     numel = math.prod(local_shape)
     dtype = draw(st.sampled_from(DTYPES))
@@ -151,28 +155,42 @@ def tensor_layouts(draw: st.DrawFn, key: str = "t", flat: bool | None = None) ->
 
     def make(offset: tuple[int, ...], replica_id: Any, fr: slice | None) -> ShardedTensor:
         return ShardedTensor(
-            key, None, dtype, local_shape, tuple(global_shape), offset, tuple(frags),
-            replica_id, prepend, False, fr,
+            key,
+            None,
+            dtype,
+            local_shape,
+            tuple(global_shape),
+            offset,
+            tuple(frags),
+            replica_id,
+            prepend,
+            False,
+            fr,
         )
 
     shards: Shards = []
     for position in itertools.product(*(range(f) for f in frags)):
-        offset = tuple(i * b for i, b in zip(position, block))
+        offset = tuple(i * b for i, b in zip(position, block, strict=True))
         ranges: list[slice | None] = [None]
         if flat:
             pieces = draw(st.integers(1, min(3, numel)))
             cuts = draw(
-                st.lists(st.integers(1, max(1, numel - 1)), min_size=pieces - 1,
-                         max_size=pieces - 1, unique=True)
+                st.lists(
+                    st.integers(1, max(1, numel - 1)),
+                    min_size=pieces - 1,
+                    max_size=pieces - 1,
+                    unique=True,
+                )
             )
             bounds = [0, *sorted(cuts), numel]
-            ranges = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+            ranges = [slice(a, b) for a, b in itertools.pairwise(bounds)]
         for fr in ranges:
             shards.append((draw(ranks), make(offset, 0, fr)))
             if draw(st.integers(0, 3)) == 0:
                 replica_fr = fr if draw(st.booleans()) else None
-                shards.append((draw(ranks), make(offset, draw(st.sampled_from(REPLICA_IDS)),
-                                                 replica_fr)))
+                shards.append(
+                    (draw(ranks), make(offset, draw(st.sampled_from(REPLICA_IDS)), replica_fr))
+                )
     return Layout(world_size, shards)
 
 
@@ -182,7 +200,9 @@ def object_layouts(draw: st.DrawFn) -> Layout:
     world_size = draw(st.integers(1, 6))
     shards: Shards = []
     for offset in itertools.product(*(range(g) for g in grid)):
-        shards.append((draw(st.integers(0, world_size - 1)), ShardedObject("o", None, grid, offset)))
+        shards.append(
+            (draw(st.integers(0, world_size - 1)), ShardedObject("o", None, grid, offset))
+        )
         if draw(st.booleans()):
             replica = ShardedObject("o", None, grid, offset, draw(st.sampled_from(REPLICA_IDS)))
             shards.append((draw(st.integers(0, world_size - 1)), replica))
@@ -198,7 +218,8 @@ Perturbed = tuple[Shards, bool | None]
 
 def _main_indices(shards: Shards, flat: bool | None = None) -> list[int]:
     return [
-        i for i, (_, sh) in enumerate(shards)
+        i
+        for i, (_, sh) in enumerate(shards)
         if is_main_replica(sh.replica_id)
         and (flat is None or (getattr(sh, "flattened_range", None) is not None) == flat)
     ]
@@ -212,7 +233,7 @@ def _drop(draw: st.DrawFn, layout: Layout) -> Perturbed | None:
     key = layout.shards[i][1].key
     shards = layout.shards[:i] + layout.shards[i + 1 :]
     # Dropping the only shard of a key removes the key: nothing is left to check.
-    return shards, (False if any(sh.key == key for _, sh in shards) else True)
+    return shards, not any(sh.key == key for _, sh in shards)
 
 
 def _duplicate(draw: st.DrawFn, layout: Layout) -> Perturbed | None:
@@ -231,7 +252,9 @@ def _shift(draw: st.DrawFn, layout: Layout) -> Perturbed | None:
         if not isinstance(sh, ShardedTensor):
             continue
         block = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-        for axis, (off, size, g) in enumerate(zip(sh.global_offset, block, sh.global_shape)):
+        for axis, (off, size, g) in enumerate(
+            zip(sh.global_offset, block, sh.global_shape, strict=True)
+        ):
             for target in range(0, g - size + 1, size) if size else ():
                 if target != off:
                     candidates.append((i, axis, target))
@@ -326,7 +349,9 @@ def test_exact_covers_are_valid(layout: Layout) -> None:
     event(f"ndim={len(sample.global_shape)}")
     event(f"prepend_axis_num={sample.prepend_axis_num}")
     event("flat" if sample.flattened_range is not None else "not flat")
-    event("with replicas" if len(_main_indices(layout.shards)) < len(layout.shards) else "no replicas")
+    event(
+        "with replicas" if len(_main_indices(layout.shards)) < len(layout.shards) else "no replicas"
+    )
     assert sharding_integrity_problems(layout.metadata()) == []
     assert oracle_is_valid(layout)
     validate_sharding_integrity(layout.metadata())
@@ -365,8 +390,9 @@ def test_oracle_agrees_on_combined_perturbations(
 
 
 @PROPERTY_SETTINGS
-@given(first=tensor_layouts("a"), second=tensor_layouts("b"), objects=object_layouts(),
-       data=st.data())
+@given(
+    first=tensor_layouts("a"), second=tensor_layouts("b"), objects=object_layouts(), data=st.data()
+)
 def test_keys_are_checked_independently(
     first: Layout, second: Layout, objects: Layout, data: st.DataObject
 ) -> None:

@@ -1,5 +1,7 @@
 """Save/load strategies and the registry of default strategies."""
 
+from __future__ import annotations
+
 from .base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,

@@ -145,7 +145,7 @@ class LoadStrategyBase(ABC):
         return type(self).__name__
 
 
-class SaveStrategyBase(ABC):
+class SaveStrategyBase(ABC):  # noqa: B024 - abstract by role, like Megatron-Core's
     """Base of the save strategies: the backend name and version they write."""
 
     def __init__(self, backend: str, version: int) -> None:

@@ -117,7 +117,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         )
         if isinstance(payload, list) and len(payload) == 1:
             payload = payload[0]
-        return payload  # type: ignore[no-any-return]
+        return payload
 
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | Path

@@ -14,6 +14,7 @@ without its per-item overhead; anything it does not handle goes through ``torch.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gc
 import heapq
 import logging
@@ -223,12 +224,39 @@ def _result(item: WriteItem, relative_path: str, offset: int, length: int) -> Wr
     )
 
 
-def _describe_error(exc: BaseException) -> str:
+_ERRNO_HINTS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EFBIG: "the file size limit (RLIMIT_FSIZE) or the filesystem's maximum file size "
+    "was reached",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOENT: "the checkpoint directory does not exist (removed during the save?)",
+    errno.EROFS: "the filesystem is read-only",
+}
+
+
+def _failure_text(exc: BaseException) -> str:
+    """A one-line cause for an error message, with a hint for common OS errors."""
+    text = f"{type(exc).__name__}: {exc}"
+    hint = _ERRNO_HINTS.get(getattr(exc, "errno", None) or -1)
+    return f"{text} ({hint})" if hint else text
+
+
+def _traceback_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
 def _write_error(rank: int, bucket: WriteBucket, cause: str) -> str:
     return f"rank {rank}: writing checkpoint file {bucket.path} failed: {cause}"
+
+
+def _record_failure(
+    outcome: WriteOutcome, idx: int, bucket: WriteBucket, cause: str, tb: str | None
+) -> None:
+    outcome.errors[idx] = _write_error(outcome.rank, bucket, cause)
+    if tb:
+        logger.error("%s\n%s", outcome.errors[idx], tb)
 
 
 def write_buckets_threaded(
@@ -241,7 +269,7 @@ def write_buckets_threaded(
         try:
             outcome.results[idx] = write_bucket_file(buckets[idx], fs, sync_files)
         except Exception as exc:  # noqa: BLE001 - reported through the outcome
-            outcome.errors[idx] = _write_error(rank, buckets[idx], f"{type(exc).__name__}: {exc}")
+            _record_failure(outcome, idx, buckets[idx], _failure_text(exc), _traceback_text(exc))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(buckets))]
     for t in threads:
@@ -276,9 +304,9 @@ def _bucket_worker(
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        message: tuple[str, Any] = ("ok", write_bucket_file(bucket, fs, sync_files))
+        message: tuple[Any, ...] = ("ok", write_bucket_file(bucket, fs, sync_files))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        message = ("error", f"{type(exc).__name__}: {exc}\n{_describe_error(exc)}")
+        message = ("error", _failure_text(exc), _traceback_text(exc))
     conn.send(message)
     conn.close()
 
@@ -323,7 +351,7 @@ def _run_bucket_workers(
         try:
             proc.start()
         except Exception as exc:  # noqa: BLE001 - reported through the outcome
-            outcome.errors[idx] = _write_error(rank, bucket, f"cannot start worker: {exc}")
+            _record_failure(outcome, idx, bucket, f"cannot start worker: {exc}", None)
             reader.close()
             continue
         finally:
@@ -350,13 +378,13 @@ def _run_bucket_workers(
             if message is not None and message[0] == "ok":
                 outcome.results[idx] = message[1]
             elif message is not None:
-                outcome.errors[idx] = _write_error(rank, buckets[idx], message[1])
+                _record_failure(outcome, idx, buckets[idx], message[1], message[2])
             else:
                 cause = (
                     f"worker process {proc.pid} {_describe_exit(proc.exitcode)} "
                     f"without reporting a result"
                 )
-                outcome.errors[idx] = _write_error(rank, buckets[idx], cause)
+                _record_failure(outcome, idx, buckets[idx], cause, None)
     return outcome
 
 
@@ -375,14 +403,19 @@ def write_buckets_multiproc(
     they go into the outcome, and :meth:`FileSystemWriterAsync.retrieve_write_results`
     raises them.
     """
+    import multiprocessing
+
     fs = filesystem_for(os.path.dirname(buckets[0].path) if buckets else ".")
     with _gc_disabled():
-        if len(buckets) == 1:
+        if multiprocessing.current_process().daemon and len(buckets) > 1:
+            # A daemonic process may not start children: write with threads instead.
+            outcome = write_buckets_threaded(rank, buckets, fs, sync_files)
+        elif len(buckets) == 1:
             try:
                 outcome = WriteOutcome(rank, {0: write_bucket_file(buckets[0], fs, sync_files)})
             except Exception as exc:  # noqa: BLE001 - reported through the outcome
-                cause = f"{type(exc).__name__}: {exc}\n{_describe_error(exc)}"
-                outcome = WriteOutcome(rank, errors={0: _write_error(rank, buckets[0], cause)})
+                outcome = WriteOutcome(rank)
+                _record_failure(outcome, 0, buckets[0], _failure_text(exc), _traceback_text(exc))
         else:
             outcome = _run_bucket_workers(rank, buckets, fs, sync_files)
     results_queue.put(outcome)

@@ -10,6 +10,8 @@ anything unexpected falls back to ``torch.load(weights_only=True)`` of the item.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import io
 import logging
 import os
@@ -18,11 +20,10 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -231,6 +232,42 @@ class FileSystemReader(StorageReader):
             planner.commit_tensor(read_item, target)
 
 
+def read_object_bytes(checkpoint_dir: str | os.PathLike[str], key: str) -> tuple[bytes | None, str]:
+    """The stored bytes of the bytes item ``key`` (e.g. a ShardedObject's DCP key).
+
+    Returns ``(data, source)``, where ``source`` names the file and offset (for error
+    messages); ``data`` is None when the checkpoint has no such item.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError: as ``read_metadata``.
+        CorruptCheckpointError: the data file is missing or too short.
+    """
+    reader = FileSystemReader(checkpoint_dir)
+    metadata = reader.read_metadata()
+    info = (metadata.storage_data or {}).get(MetadataIndex(key))
+    if info is None:
+        return None, f"{reader.path}: no item {key!r}"
+    path = reader.fs.join(reader.path, info.relative_path)
+    read_item = ReadItem(
+        type=LoadItemType.BYTE_IO,
+        dest_index=MetadataIndex(key),
+        dest_offsets=torch.Size(),
+        storage_index=MetadataIndex(key),
+        storage_offsets=torch.Size(),
+        lengths=torch.Size(),
+    )
+    try:
+        stream = reader.fs.open_read(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"data file {path} is missing; it holds {key!r}") from None
+    with stream:
+        file = _File(stream, path, reader.fs.file_size(path))
+        file.check_range(info.offset, info.length, read_item)
+        buf = bytearray(info.length)
+        file.readinto(info.offset, memoryview(buf), read_item)
+    return bytes(buf), f"{path} (item {key!r} at offset {info.offset})"
+
+
 # --------------------------------------------------------------------------- file access
 
 
@@ -243,6 +280,7 @@ class _File:
         self.size = size
         self.window_start = 0
         self.window = memoryview(b"")
+        self.window_address = 0  # address of the window's first byte
 
     def check_range(self, offset: int, length: int, read_item: ReadItem) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -253,12 +291,15 @@ class _File:
             )
 
     def load_window(self, items: Sequence[tuple[ReadItem, Any]], i: int) -> int:
-        """Fetch items[i:j] of small neighbours with one read (if worth it); return j."""
+        """Fetch items[i:j] of small neighbours with one read (if worth it); return j.
+
+        Returns ``i + 1`` without reading when items[i] is large (it is read in place).
+        """
         start = items[i][1].offset
         end = start + items[i][1].length
-        j = i + 1
         if items[i][1].length > SMALL_ITEM_BYTES:
-            return j
+            return i + 1
+        j = i + 1
         while j < len(items):
             info = items[j][1]
             if (
@@ -269,10 +310,11 @@ class _File:
                 break
             end = max(end, info.offset + info.length)
             j += 1
-        buf = bytearray(end - start)
-        self.readinto(start, memoryview(buf), items[i][0])
+        buf = bytearray(max(1, end - start))
+        self.readinto(start, memoryview(buf)[: end - start], items[i][0])
         self.window_start = start
-        self.window = memoryview(buf)
+        self.window = memoryview(buf)[: end - start]
+        self.window_address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         return j
 
     def readinto(self, offset: int, buf: memoryview, read_item: ReadItem) -> None:
@@ -292,34 +334,33 @@ class _File:
 _EDGE_BYTES = 4096
 
 
-@dataclass
 class _Item:
-    """The bytes of one item: from the file's window, or read from the file."""
+    """The bytes of one item: a slice of the file's window, or read from the file."""
 
-    file: _File
-    offset: int
-    length: int
-    read_item: ReadItem
-    _edges: tuple[int, memoryview, int, memoryview] | None = None  # head and tail bytes
-
-    def _in_window(self, start: int, n: int) -> bool:
-        w = self.file
-        return w.window_start <= start and start + n <= w.window_start + len(w.window)
+    def __init__(self, file: _File, offset: int, length: int, read_item: ReadItem) -> None:
+        self.file = file
+        self.offset = offset
+        self.length = length
+        self.read_item = read_item
+        pos = offset - file.window_start
+        in_window = pos >= 0 and pos + length <= len(file.window)
+        self.view = file.window[pos : pos + length] if in_window else None
+        self.address = file.window_address + pos  # valid when windowed
+        self._edges: tuple[memoryview, memoryview] | None = None  # head and tail bytes
 
     def read_at(self, offset: int, n: int) -> memoryview:
         """``n`` bytes at ``offset`` of the item (small reads near its ends are cached)."""
-        start = self.offset + offset
-        if self._in_window(start, n):
-            pos = start - self.file.window_start
-            return self.file.window[pos : pos + n]
+        if self.view is not None:
+            return self.view[offset : offset + n]
         if n <= _EDGE_BYTES and self.length > 2 * _EDGE_BYTES:
             if self._edges is None:
-                head = self._read(0, _EDGE_BYTES)
                 tail_at = self.length - _EDGE_BYTES
-                self._edges = (0, head, tail_at, self._read(tail_at, _EDGE_BYTES))
-            for at, edge in (self._edges[:2], self._edges[2:]):
-                if at <= offset and offset + n <= at + len(edge):
-                    return edge[offset - at : offset - at + n]
+                self._edges = (self._read(0, _EDGE_BYTES), self._read(tail_at, _EDGE_BYTES))
+            if offset + n <= _EDGE_BYTES:
+                return self._edges[0][offset : offset + n]
+            tail_at = self.length - _EDGE_BYTES
+            if offset >= tail_at:
+                return self._edges[1][offset - tail_at : offset - tail_at + n]
         return self._read(offset, n)
 
     def _read(self, offset: int, n: int) -> memoryview:
@@ -327,13 +368,18 @@ class _Item:
         self.file.readinto(self.offset + offset, buf, self.read_item)
         return buf
 
-    def readinto(self, offset: int, buf: memoryview) -> None:
-        start = self.offset + offset
-        if self._in_window(start, len(buf)):
-            pos = start - self.file.window_start
-            buf[:] = self.file.window[pos : pos + len(buf)]
+    def read_into_tensor(self, offset: int, t: torch.Tensor) -> None:
+        """Fill contiguous CPU tensor ``t`` with ``t.nbytes`` bytes from ``offset``."""
+        n = t.nbytes
+        if offset < 0 or offset + n > self.length:
+            raise CorruptCheckpointError(f"{self.describe()}: tensor bytes out of range")
+        if n == 0:
+            return
+        if self.view is not None:
+            ctypes.memmove(t.data_ptr(), self.address + offset, n)
         else:
-            self.file.readinto(start, buf, self.read_item)
+            view = t.reshape(-1).view(torch.uint8).numpy().data
+            self.file.readinto(self.offset + offset, view, self.read_item)
 
     def describe(self) -> str:
         return (
@@ -345,66 +391,67 @@ class _Item:
 # --------------------------------------------------------------------------- tensor copies
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    return t.reshape(-1).view(torch.uint8).numpy().data
-
-
 def _check_request(
     item: _Item, shape: Sequence[int], read_item: ReadItem, target: torch.Tensor
 ) -> None:
-    offsets, lengths = tuple(read_item.storage_offsets), tuple(read_item.lengths)
+    offsets, lengths = read_item.storage_offsets, read_item.lengths
     if len(offsets) != len(shape) or any(
         o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)
     ):
         raise CorruptCheckpointError(
             f"{item.describe()} holds a tensor of shape {tuple(shape)}, but the metadata "
-            f"places the requested region at offsets {offsets} with lengths {lengths}"
+            f"places the requested region at offsets {tuple(offsets)} with lengths "
+            f"{tuple(lengths)}"
         )
-    if tuple(target.shape) != lengths:
+    if target.shape != lengths:
         raise CheckpointingException(
             f"{item.describe()}: the destination tensor for {read_item.dest_index.fqn!r} "
-            f"has shape {tuple(target.shape)}, expected {lengths}"
+            f"has shape {tuple(target.shape)}, expected {tuple(lengths)}"
         )
 
 
-def _copy_region(item: _Item, rec: TensorRecord, read_item: ReadItem, target: torch.Tensor) -> None:
-    """Copy the requested region of the stored tensor into ``target``, reading only its span."""
-    _check_request(item, rec.shape, read_item, target)
-    lengths = tuple(read_item.lengths)
-    numel = 1
-    for n in lengths:
-        numel *= n
-    if numel == 0:
-        return
-    itemsize = torch.empty((), dtype=rec.dtype).element_size()
-    strides = _contiguous_strides(rec.shape)
-    first = rec.storage_offset + sum(o * s for o, s in zip(read_item.storage_offsets, strides))
-    last = first + sum((n - 1) * s for n, s in zip(lengths, strides))
-    start = rec.data_offset + first * itemsize
-    span = last - first + 1
-    if span == numel:  # the region is one contiguous byte range
-        direct = (
-            target.device.type == "cpu" and target.dtype == rec.dtype and target.is_contiguous()
-        )
-        if direct:
-            item.readinto(start, _byte_view(target))
-            return
-        staging = torch.empty(lengths, dtype=rec.dtype)
-        item.readinto(start, _byte_view(staging))
-        target.copy_(staging)
-        return
-    staging = torch.empty(span, dtype=rec.dtype)
-    item.readinto(start, _byte_view(staging))
-    target.copy_(staging.as_strided(lengths, strides))
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=4096)
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides = []
     acc = 1
     for s in reversed(shape):
         strides.append(acc)
         acc *= s
     return tuple(reversed(strides))
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _copy_region(item: _Item, rec: TensorRecord, read_item: ReadItem, target: torch.Tensor) -> None:
+    """Copy the requested region of the stored tensor into ``target``, reading only its span."""
+    _check_request(item, rec.shape, read_item, target)
+    lengths = tuple(read_item.lengths)
+    numel = target.numel()
+    if numel == 0:
+        return
+    itemsize = _itemsize(rec.dtype)
+    strides = _strides(rec.shape)
+    first = rec.storage_offset
+    last = first
+    for o, n, st in zip(read_item.storage_offsets, lengths, strides):
+        first += o * st
+        last += (o + n - 1) * st
+    start = rec.data_offset + first * itemsize
+    span = last - first + 1
+    if span == numel:  # the region is one contiguous byte range
+        if target.is_cpu and target.dtype == rec.dtype and target.is_contiguous():
+            item.read_into_tensor(start, target)
+            return
+        staging = torch.empty(lengths, dtype=rec.dtype)
+        item.read_into_tensor(start, staging)
+        target.copy_(staging)
+        return
+    staging = torch.empty(span, dtype=rec.dtype)
+    item.read_into_tensor(start, staging)
+    target.copy_(staging.as_strided(lengths, strides))
 
 
 def _copy_region_torch_load(item: _Item, read_item: ReadItem, target: torch.Tensor) -> None:
@@ -420,4 +467,4 @@ def _copy_region_torch_load(item: _Item, read_item: ReadItem, target: torch.Tens
     target.copy_(tensor)
 
 
-__all__ = ["FileSystemReader"]
+__all__ = ["FileSystemReader", "read_object_bytes"]

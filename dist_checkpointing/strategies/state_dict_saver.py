@@ -98,7 +98,9 @@ class _Group:
             return objs[0]
         out: list[Any] = [None]
         dist.scatter_object_list(
-            out, objs if self.is_coordinator else None, src=self._global(self.coordinator),
+            out,
+            objs if self.is_coordinator else None,
+            src=self._global(self.coordinator),
             group=self.group,
         )
         return out[0]

@@ -19,6 +19,7 @@ caller then falls back to ``torch.load``.
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import io
 import logging
@@ -102,22 +103,30 @@ def serialize_tensor(tensor: torch.Tensor) -> bytes:
 
 
 def _fast_path_applies(t: torch.Tensor) -> bool:
+    # Cheapest checks first: this runs once per item.
+    if type(t) is not torch.Tensor or t.layout != torch.strided or not t.is_cpu:
+        return False
+    if t.requires_grad or t.storage_offset() or not t.is_contiguous():
+        return False
+    nbytes = t.nbytes
     return (
-        type(t) is torch.Tensor
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
-        and not t.requires_grad
+        nbytes <= _MAX_FAST_BYTES
+        and t.untyped_storage().nbytes() == nbytes
         and not t.is_conj()
         and not t.is_neg()
-        and t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        and t.numel() * t.element_size() <= _MAX_FAST_BYTES
         and fast_path_supported(t.dtype)
     )
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
+# Below this size a tensor's bytes are copied out (cheaper than a numpy view).
+_COPY_BELOW_BYTES = 64 << 10
+
+
+def _byte_view(t: torch.Tensor) -> bytes | memoryview:
+    """The bytes of a contiguous CPU tensor (a zero-copy view for large tensors)."""
+    nbytes = t.nbytes
+    if nbytes < _COPY_BELOW_BYTES:
+        return ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
@@ -158,45 +167,37 @@ def _record(offset: int, name: str, payload: bytes) -> tuple[bytes, bytes, int]:
 
 @dataclass(frozen=True)
 class _Template:
-    """The archive of a tensor with a given ``data.pkl`` and byte size, minus the parts
-    that depend on the tensor bytes' crc (filled in by :meth:`tail`)."""
+    """The archive of a tensor with a given ``data.pkl`` and byte size. Only four crc
+    fields and the serialization id depend on the tensor bytes: :meth:`tail` patches
+    them into a precomputed tail."""
 
     head: bytes  # every record before the tensor bytes, and data/0's local header
+    tail_bytes: bytes  # everything after the tensor bytes, with zero crcs and id
     nbytes: int
     seed: int  # id hash over the crcs of the records before data/0
-    data_header_offset: int
-    version_record: bytes  # the "version" record, after data/0
     version_crc: int
-    sid_offset: int  # offset of the serialization id record
-    central_head: bytes  # central entries of the records before data/0
-    central_version: bytes
-    name_hash: str
+    name_hash: bytes
+    sid_at: int  # where the 40-digit serialization id sits in the tail
+    sid_crc_at: tuple[int, int]  # its crc in its data descriptor and central entry
+    data_crc_at: tuple[int, ...]  # the tensor bytes' crc in the descriptor and central entry
 
     def tail(self, crc: int) -> bytes:
         combined = _hash_combine(self.seed, crc) if self.nbytes else self.seed
         combined = _hash_combine(combined, self.version_crc)
-        sid_local, sid_central, _ = _record(
-            self.sid_offset, _SERIALIZATION_ID, f"{self.name_hash}{combined:020d}".encode()
-        )
-        data_name = (_ARCHIVE + "data/0").encode()
-        central = b"".join(
-            (
-                self.central_head,
-                _central(data_name, self.data_header_offset, crc, self.nbytes),
-                self.central_version,
-                sid_central,
-            )
-        )
-        cd_offset = self.sid_offset + len(sid_local)
-        end_offset = cd_offset + len(central)
-        n = len(_BEFORE_DATA) + 4  # data.pkl, the records before data/0, data/0, version, id
-        end = (
-            _ZIP64_EOCD.pack(_SIG_ZIP64_EOCD, 44, 0x031E, 0x2D, 0, 0, n, n, len(central), cd_offset)
-            + _ZIP64_LOCATOR.pack(_SIG_ZIP64_LOCATOR, 0, end_offset, 1)
-            + _EOCD.pack(_SIG_EOCD, 0, 0, n, n, len(central), cd_offset, 0)
-        )
-        parts = (_descriptor(crc, self.nbytes), self.version_record, sid_local, central, end)
-        return b"".join(parts)
+        sid = self.name_hash + b"%020d" % combined
+        sid_crc = zlib.crc32(sid)
+        out = bytearray(self.tail_bytes)
+        out[self.sid_at : self.sid_at + len(sid)] = sid
+        for at in self.data_crc_at:
+            _U32_FIELD.pack_into(out, at, crc)
+        for at in self.sid_crc_at:
+            _U32_FIELD.pack_into(out, at, sid_crc)
+        return bytes(out)
+
+
+_U32_FIELD = struct.Struct("<I")
+_CENTRAL_CRC_AT = 16  # offset of the crc field in a central directory entry
+_DESCRIPTOR_CRC_AT = 4
 
 
 @functools.lru_cache(maxsize=4096)
@@ -212,21 +213,45 @@ def _template(pickled: bytes, nbytes: int) -> _Template:
         head += local
         central += entry
         seed = _hash_combine(seed, crc)
+    data_name = (_ARCHIVE + "data/0").encode()
     data_header_offset = len(head)
-    head += _local_header(data_header_offset, (_ARCHIVE + "data/0").encode(), nbytes)
-    version_offset = len(head) + nbytes + len(_descriptor(0, nbytes))
-    version_record, central_version, version_crc = _record(version_offset, *_VERSION)
+    head += _local_header(data_header_offset, data_name, nbytes)
+    tail_start = len(head) + nbytes  # tail offsets below are relative to this
+
+    tail = bytearray(_descriptor(0, nbytes))
+    data_crc_at = [_DESCRIPTOR_CRC_AT] if nbytes else []
+    version_record, central_version, version_crc = _record(tail_start + len(tail), *_VERSION)
+    tail += version_record
+    sid_name = (_ARCHIVE + _SERIALIZATION_ID).encode()
+    sid_offset = tail_start + len(tail)
+    sid_len = 40
+    tail += _local_header(sid_offset, sid_name, sid_len)
+    sid_at = len(tail)
+    tail += bytes(sid_len) + _descriptor(0, sid_len)
+    sid_crc_at = [sid_at + sid_len + _DESCRIPTOR_CRC_AT]
+    cd_start = len(tail)
+    tail += central
+    data_crc_at.append(len(tail) + _CENTRAL_CRC_AT)
+    tail += _central(data_name, data_header_offset, 0, nbytes)
+    tail += central_version
+    sid_crc_at.append(len(tail) + _CENTRAL_CRC_AT)
+    tail += _central(sid_name, sid_offset, 0, sid_len)
+    cd_size = len(tail) - cd_start
+    cd_offset = tail_start + cd_start
+    n = len(_BEFORE_DATA) + 4  # data.pkl, the records before data/0, data/0, version, id
+    tail += _ZIP64_EOCD.pack(_SIG_ZIP64_EOCD, 44, 0x031E, 0x2D, 0, 0, n, n, cd_size, cd_offset)
+    tail += _ZIP64_LOCATOR.pack(_SIG_ZIP64_LOCATOR, 0, cd_offset + cd_size, 1)
+    tail += _EOCD.pack(_SIG_EOCD, 0, 0, n, n, cd_size, cd_offset, 0)
     return _Template(
         head=bytes(head),
+        tail_bytes=bytes(tail),
         nbytes=nbytes,
         seed=seed,
-        data_header_offset=data_header_offset,
-        version_record=version_record,
         version_crc=version_crc,
-        sid_offset=version_offset + len(version_record),
-        central_head=bytes(central),
-        central_version=central_version,
-        name_hash=name_hash,
+        name_hash=name_hash.encode(),
+        sid_at=sid_at,
+        sid_crc_at=(sid_crc_at[0], sid_crc_at[1]),
+        data_crc_at=tuple(data_crc_at),
     )
 
 
@@ -340,8 +365,7 @@ class TensorRecord:
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int  # in elements
+    storage_offset: int  # in elements; the stored tensor is contiguous from there
     data_offset: int  # byte offset of the storage bytes inside the item
     data_length: int  # bytes of the storage record
 
@@ -370,7 +394,7 @@ class _TypedStorageClass:
 _UNTYPED = object()
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def _legacy_storage_dtypes() -> dict[str, torch.dtype]:
     names = {}
     for value in vars(torch).values():
@@ -442,15 +466,25 @@ class _TensorPickleReader(pickle.Unpickler):
         raise NotFastPath(f"unexpected storage type {storage_type!r}")
 
 
-@dataclass(frozen=True)
-class _Record:
-    header_offset: int
-    method: int
-    compressed: int
-    size: int
+@functools.lru_cache(maxsize=4096)
+def _tensor_spec(pickled: bytes) -> _TensorSpec:
+    """The tensor described by ``data.pkl`` (cached: same-shaped tensors share it)."""
+    try:
+        spec = _TensorPickleReader(io.BytesIO(pickled)).load()
+    except NotFastPath:
+        raise
+    except Exception as exc:
+        raise NotFastPath(f"data.pkl not readable: {exc}") from exc
+    if not isinstance(spec, _TensorSpec):
+        raise NotFastPath(f"data.pkl holds {type(spec).__name__}, not one tensor")
+    if not _is_contiguous(spec.shape, spec.stride):
+        raise NotFastPath(f"non-contiguous stored tensor (stride {spec.stride})")
+    return spec
 
 
 ReadAt = Callable[[int, int], bytes | memoryview]
+_END_BYTES = _ZIP64_EOCD.size + _ZIP64_LOCATOR.size + _EOCD.size
+_NATIVE_ORDER = sys.byteorder.encode()
 
 
 def parse_tensor_item(read_at: ReadAt, length: int) -> TensorRecord:
@@ -460,95 +494,94 @@ def parse_tensor_item(read_at: ReadAt, length: int) -> TensorRecord:
     (and raises on a short read). Raises :class:`NotFastPath` for anything unexpected.
     """
     records = _central_directory(read_at, length)
-    names = [n for n in records if n.endswith("/data.pkl")]
-    if len(names) != 1:
-        raise NotFastPath(f"expected one data.pkl record, found {names}")
-    prefix = names[0][: -len("data.pkl")]
-    pkl = records[names[0]]
-    if pkl.method != 0 or pkl.compressed != pkl.size:
-        raise NotFastPath("compressed data.pkl")
+    pkl_name = next((n for n in records if n.endswith(b"/data.pkl")), None)
+    if pkl_name is None:
+        raise NotFastPath("no data.pkl record")
+    prefix = pkl_name[: -len(b"data.pkl")]
+    pkl = records[pkl_name]
     pkl_start = _data_start(read_at, pkl, length)
-    try:
-        spec = _TensorPickleReader(io.BytesIO(bytes(read_at(pkl_start, pkl.size)))).load()
-    except NotFastPath:
-        raise
-    except Exception as exc:
-        raise NotFastPath(f"data.pkl not readable: {exc}") from exc
-    if not isinstance(spec, _TensorSpec):
-        raise NotFastPath(f"data.pkl holds {type(spec).__name__}, not one tensor")
-    byteorder = records.get(prefix + "byteorder")
+    spec = _tensor_spec(bytes(read_at(pkl_start, pkl[3])))
+    byteorder = records.get(prefix + b"byteorder")
     if byteorder is not None:
-        order = bytes(read_at(_data_start(read_at, byteorder, length), byteorder.size))
-        if order != sys.byteorder.encode():
+        order = bytes(read_at(_data_start(read_at, byteorder, length), byteorder[3]))
+        if order != _NATIVE_ORDER:
             raise NotFastPath(f"byte order {order!r}")
-    data = records.get(f"{prefix}data/{spec.storage.key}")
-    if data is None or data.method != 0 or data.compressed != data.size:
-        raise NotFastPath(f"storage record data/{spec.storage.key} missing or compressed")
+    data = records.get(prefix + b"data/" + spec.storage.key.encode())
+    if data is None:
+        raise NotFastPath(f"storage record data/{spec.storage.key} missing")
     itemsize = _itemsize(spec.dtype)
     storage_bytes = spec.storage.numel * (itemsize if spec.storage.dtype is not None else 1)
     numel = 1
     for s in spec.shape:
         numel *= s
-    if storage_bytes != data.size or (spec.storage_offset + numel) * itemsize > data.size:
+    if storage_bytes != data[3] or (spec.storage_offset + numel) * itemsize > data[3]:
         raise NotFastPath("storage size does not match the tensor")
-    if numel and not _is_contiguous(spec.shape, spec.stride):
-        raise NotFastPath(f"non-contiguous stored tensor (stride {spec.stride})")
     return TensorRecord(
         dtype=spec.dtype,
         shape=spec.shape,
-        stride=spec.stride,
         storage_offset=spec.storage_offset,
         data_offset=_data_start(read_at, data, length),
-        data_length=data.size,
+        data_length=data[3],
     )
 
 
 def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    if len(shape) != len(stride):
+        return False
     expected = 1
     for size, st in zip(reversed(shape), reversed(stride)):
+        if size == 0:
+            return True
         if size != 1 and st != expected:
             return False
         expected *= size
-    return len(shape) == len(stride)
+    return True
 
 
-def _central_directory(read_at: ReadAt, length: int) -> dict[str, _Record]:
+# A record: (local header offset, compression method, compressed size, size).
+_Rec = tuple[int, int, int, int]
+
+
+def _central_directory(read_at: ReadAt, length: int) -> dict[bytes, _Rec]:
     if length < _EOCD.size:
         raise NotFastPath("item too short for a zip archive")
-    sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack(
-        read_at(length - _EOCD.size, _EOCD.size)
-    )
+    end_len = min(length, _END_BYTES)
+    end = read_at(length - end_len, end_len)
+    sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack_from(end, end_len - _EOCD.size)
     if sig != _SIG_EOCD or comment != 0:
         raise NotFastPath("no end-of-central-directory record at the end of the item")
-    locator_at = length - _EOCD.size - _ZIP64_LOCATOR.size
-    if locator_at >= 0:
-        loc = _ZIP64_LOCATOR.unpack(read_at(locator_at, _ZIP64_LOCATOR.size))
+    if end_len == _END_BYTES:
+        loc = _ZIP64_LOCATOR.unpack_from(end, _ZIP64_EOCD.size)
         if loc[0] == _SIG_ZIP64_LOCATOR:
-            if loc[2] + _ZIP64_EOCD.size > locator_at:
+            at = loc[2]
+            if at + _ZIP64_EOCD.size > length - _EOCD.size - _ZIP64_LOCATOR.size:
                 raise NotFastPath("zip64 end record out of range")
-            z = _ZIP64_EOCD.unpack(read_at(loc[2], _ZIP64_EOCD.size))
+            z = _ZIP64_EOCD.unpack(read_at(at, _ZIP64_EOCD.size))
             if z[0] != _SIG_ZIP64_EOCD:
                 raise NotFastPath("bad zip64 end record")
             count, cd_size, cd_offset = z[7], z[8], z[9]
     if cd_offset + cd_size > length or count > 64:
         raise NotFastPath("central directory out of range")
-    cd = memoryview(bytes(read_at(cd_offset, cd_size)))
-    records: dict[str, _Record] = {}
+    cd = read_at(cd_offset, cd_size)
+    records: dict[bytes, _Rec] = {}
     pos = 0
+    unpack = _CENTRAL.unpack_from
     for _ in range(count):
-        if pos + _CENTRAL.size > len(cd):
+        if pos + _CENTRAL.size > cd_size:
             raise NotFastPath("truncated central directory")
-        f = _CENTRAL.unpack_from(cd, pos)
+        f = unpack(cd, pos)
         if f[0] != _SIG_CENTRAL:
             raise NotFastPath("bad central directory entry")
-        name_len, extra_len, comment_len = f[10], f[11], f[12]
-        name = bytes(cd[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len]).decode("utf-8")
-        extra = cd[pos + _CENTRAL.size + name_len : pos + _CENTRAL.size + name_len + extra_len]
+        name_end = pos + _CENTRAL.size + f[10]
+        name = bytes(cd[pos + _CENTRAL.size : name_end])
         compressed, size, offset = f[8], f[9], f[16]
         if _U32 in (compressed, size, offset):
-            size, compressed, offset = _zip64_fields(bytes(extra), size, compressed, offset)
-        records[name] = _Record(offset, f[4], compressed, size)
-        pos += _CENTRAL.size + name_len + extra_len + comment_len
+            extra = bytes(cd[name_end : name_end + f[11]])
+            size, compressed, offset = _zip64_fields(extra, size, compressed, offset)
+        if f[4] != 0 or compressed != size:
+            raise NotFastPath(f"compressed record {name!r}")
+        records[name] = (offset, f[4], compressed, size)
+        pos = name_end + f[11] + f[12]
     return records
 
 
@@ -566,14 +599,15 @@ def _zip64_fields(extra: bytes, size: int, compressed: int, offset: int) -> tupl
     raise NotFastPath("zip64 sizes without a zip64 extra field")
 
 
-def _data_start(read_at: ReadAt, record: _Record, length: int) -> int:
-    if record.header_offset + _LOCAL.size > length:
+def _data_start(read_at: ReadAt, record: _Rec, length: int) -> int:
+    at = record[0]
+    if at + _LOCAL.size > length:
         raise NotFastPath("local header out of range")
-    f = _LOCAL.unpack(read_at(record.header_offset, _LOCAL.size))
+    f = _LOCAL.unpack(read_at(at, _LOCAL.size))
     if f[0] != _SIG_LOCAL:
         raise NotFastPath("bad local header")
-    start = record.header_offset + _LOCAL.size + f[9] + f[10]
-    if start + record.size > length:
+    start = at + _LOCAL.size + f[9] + f[10]
+    if start + record[3] > length:
         raise NotFastPath("record data out of range")
     return start
 

@@ -4,6 +4,8 @@ Importable as ``dist_checkpointing.strategies.torch`` (Megatron-Core's module
 path), re-exporting the converter, the planners and the strategies.
 """
 
+from __future__ import annotations
+
 from .converter import (
     _replace_sharded_keys_with_state_dict_keys,
     _replace_state_dict_keys_with_sharded_keys,

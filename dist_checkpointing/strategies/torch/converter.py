@@ -66,7 +66,9 @@ def flatten_state_dict(state_dict: dict) -> tuple[dict[str, Any], dict[str, ObjP
     for path, value in nested_paths_iter(state_dict):
         fqn = ".".join(map(str, path))
         if fqn in flat:
-            raise MappingError(f"Duplicated flattened key '{fqn}' (paths {mapping[fqn]} and {path})")
+            raise MappingError(
+                f"Duplicated flattened key '{fqn}' (paths {mapping[fqn]} and {path})"
+            )
         flat[fqn] = value
         mapping[fqn] = path
     return flat, mapping
@@ -163,7 +165,9 @@ def sharded_tensor_to_torch_sharded_tensor(
             Megatron-Core before the N-D reformulation (a 1-D global tensor).
     """
     if not sh_tens:
-        raise MappingError("sharded_tensor_to_torch_sharded_tensor needs at least one ShardedTensor")
+        raise MappingError(
+            "sharded_tensor_to_torch_sharded_tensor needs at least one ShardedTensor"
+        )
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
     first = sh_tens[0]
@@ -210,25 +214,32 @@ def sharded_tensor_to_torch_sharded_tensor(
                 if legacy_1d:
                     shards_md.append(_shard_md((offset[0] + pos,), (start - pos,), other))
                 elif is_flat:
-                    shards_md.append(_shard_md(grid + (pos,), (1,) * len(grid) + (start - pos,), other))
+                    shards_md.append(
+                        _shard_md(grid + (pos,), (1,) * len(grid) + (start - pos,), other)
+                    )
                 else:
                     shards_md.append(_shard_md(offset, block, other))
             pos = max(pos, stop)
     global_shape = stored_chunk(first).global_shape if is_flat else tuple(first.global_shape)
-    properties = TorchShardTensorProperties(dtype=first.dtype, layout=torch.strided,
-                                            requires_grad=False, memory_format=torch.contiguous_format,
-                                            pin_memory=False)
+    properties = TorchShardTensorProperties(
+        dtype=first.dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
     md = TorchShardedTensorMetadata(shards_md, torch.Size(global_shape), properties)
     pyt = TorchShardedTensor._init_from_local_shards_and_global_metadata(local_shards, md)
-    pyt.mcore_sh_ten = first.without_data()
-    pyt.mcore_metadata = {}
+    # Megatron-Core's attribute names: what the local shards stand for.
+    setattr(pyt, "mcore_sh_ten", first.without_data())  # noqa: B010
+    setattr(pyt, "mcore_metadata", {})  # noqa: B010
     return pyt
 
 
 def mcore_to_pyt_state_dict(
     state_dict: dict[str, list[ShardedBase]],
     is_loading: bool = False,
-    init_device: torch.device = torch.device("cpu"),
+    init_device: torch.device | str = "cpu",
     load_legacy_1d_flatten_tensors: bool = False,
 ) -> dict[str, Any]:
     """Convert a by-key dict (see :func:`_replace_state_dict_keys_with_sharded_keys`)
@@ -242,7 +253,9 @@ def mcore_to_pyt_state_dict(
     for key, shards in state_dict.items():
         if all(isinstance(s, ShardedObject) for s in shards):
             if len(shards) != 1:
-                raise MappingError(f"ShardedObject '{key}' requested {len(shards)} times on one rank")
+                raise MappingError(
+                    f"ShardedObject '{key}' requested {len(shards)} times on one rank"
+                )
             buf = io.BytesIO()
             if not is_loading:
                 torch.save([shards[0].data], buf)

@@ -35,7 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_global_save_plan,
+)
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -91,16 +95,24 @@ class MCoreSavePlanner(DefaultSavePlanner):
         object_serializer: turns a ShardedObject payload into bytes.
     """
 
-    def __init__(self, object_serializer: Callable[[Any], io.BytesIO] = serialize_object) -> None:
+    def __init__(
+        self,
+        object_serializer: Callable[[Any], io.BytesIO] = serialize_object,
+        dedup_replicated_tensors: bool = False,
+    ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._serialize = object_serializer
+        self._dedup = dedup_replicated_tensors
         self._data: dict[MetadataIndex, Any] = {}
         self.mcore_data: dict[str, dict] = {}
 
-    def set_up_planner(  # type: ignore[override]
-        self, state_dict: ByKey, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    def set_up_planner(
+        self,
+        state_dict: ByKey,
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
     ) -> None:
-        self.state_dict = state_dict  # type: ignore[assignment]
+        self.state_dict = state_dict
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
@@ -137,7 +149,14 @@ class MCoreSavePlanner(DefaultSavePlanner):
         )
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        global_plan, metadata = super().create_global_plan(all_plans)
+        if self._dedup:
+            global_plan, metadata = super().create_global_plan(all_plans)
+        else:
+            # Only main replicas are planned and the sharding was validated already:
+            # no dedup, no per-item index rewriting (index hints are optional).
+            global_plan, metadata = create_default_global_save_plan(
+                all_plans, rewrite_index_hints=False
+            )
         mcore_data: dict[str, dict] = {}
         for plan in all_plans:
             for key, value in (plan.planner_data or {}).items():
@@ -194,6 +213,32 @@ def _intersect(
     return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
+def _read_items(
+    fqn: str, md: TensorStorageMetadata, chunks: list[ChunkStorageMetadata]
+) -> list[ReadItem]:
+    """Read items that fill ``chunks`` from the stored chunks of ``md``.
+
+    A request that is exactly one stored chunk (same layout at save and load, the
+    common case) becomes one read item directly; anything else goes through
+    DCP's general overlap computation.
+    """
+    stored = {(tuple(c.offsets), tuple(c.sizes)): i for i, c in enumerate(md.chunks)}
+    exact = [stored.get((tuple(c.offsets), tuple(c.sizes))) for c in chunks]
+    if None not in exact:
+        return [
+            ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex(fqn, c.offsets, i),
+                dest_offsets=torch.Size((0,) * len(c.sizes)),
+                storage_index=MetadataIndex(fqn, c.offsets, j),
+                storage_offsets=torch.Size((0,) * len(c.sizes)),
+                lengths=c.sizes,
+            )
+            for i, (c, j) in enumerate(zip(chunks, exact))
+        ]
+    return create_read_items_for_chunk_list(fqn, md, chunks)
+
+
 class MCoreLoadPlanner(DefaultLoadPlanner):
     """Load planner for our sharded state dicts (see the module docstring).
 
@@ -210,11 +255,11 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
         self._objects: dict[str, ShardedObject] = {}
         self._stagings: list[_Staging] = []
 
-    def set_up_planner(  # type: ignore[override]
+    def set_up_planner(
         self, state_dict: ByKey, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
-        self.state_dict = state_dict  # type: ignore[assignment]
-        self.original_state_dict = state_dict  # type: ignore[assignment]
+        self.state_dict = state_dict
+        self.original_state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
@@ -287,7 +332,7 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
         for key, chunk_targets in self._chunks.items():
             md = self.metadata.state_dict_metadata[key]
             assert isinstance(md, TensorStorageMetadata)
-            reads = create_read_items_for_chunk_list(key, md, [c for c, _ in chunk_targets])
+            reads = _read_items(key, md, [c for c, _ in chunk_targets])
             self._count_reads(key, reads, chunk_targets)
             items.extend(reads)
         for staging in self._stagings:
@@ -297,7 +342,10 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
         return self.plan
 
     def _count_reads(
-        self, key: str, reads: list[ReadItem], chunk_targets: list[tuple[ChunkStorageMetadata, _Target]]
+        self,
+        key: str,
+        reads: list[ReadItem],
+        chunk_targets: list[tuple[ChunkStorageMetadata, _Target]],
     ) -> None:
         covered = [0] * len(chunk_targets)
         for r in reads:
@@ -364,10 +412,16 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
             self._add_chunk(key, offsets, sizes, _Target(view))
             return
         staging = self._new_staging(sizes, stored_dtype)
-        staging.on_done.append(lambda: data.copy_(staging.buffer.reshape(data.shape)))
+
+        def copy_back() -> None:
+            data.copy_(staging.buffer.reshape(data.shape))
+
+        staging.on_done.append(copy_back)
         self._add_chunk(key, offsets, sizes, _Target(staging.buffer, staging))
 
-    def _plan_flat_from_regular(self, key: str, sh: ShardedTensor, stored_dtype: torch.dtype) -> None:
+    def _plan_flat_from_regular(
+        self, key: str, sh: ShardedTensor, stored_dtype: torch.dtype
+    ) -> None:
         """A flat request from a tensor stored in its logical shape: read the rows of
         the block that the range touches, then copy the range out."""
         assert sh.flattened_range is not None and sh.data is not None
@@ -378,9 +432,11 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
         staging = self._new_staging(sizes, stored_dtype)
         start = sh.flattened_range.start - first * math.prod(block[1:])
         data = sh.data
-        staging.on_done.append(
-            lambda: data.copy_(staging.buffer.reshape(-1)[start : start + data.numel()])
-        )
+
+        def copy_range() -> None:
+            data.copy_(staging.buffer.reshape(-1)[start : start + data.numel()])
+
+        staging.on_done.append(copy_range)
         self._add_chunk(key, offsets, sizes, _Target(staging.buffer, staging))
 
     def _plan_from_reformulated(
@@ -430,7 +486,9 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
                 src = staging.buffer.reshape(stored_block)[
                     _box_slices(tuple(a - b for a, b in zip(lo, cell_off)), size)
                 ]
-                request.buffer[_box_slices(tuple(a - b for a, b in zip(lo, box_off)), size)].copy_(src)
+                request.buffer[_box_slices(tuple(a - b for a, b in zip(lo, box_off)), size)].copy_(
+                    src
+                )
                 request.pending -= 1
                 if request.pending == 0 and finish_request is not None:
                     finish_request(request.buffer)
@@ -464,7 +522,9 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
         numel = math.prod(stored_block)
         staging = self._new_staging((1,) * len(cell) + (numel,), dtype)
         self._block_cache[(key, cell)] = staging
-        self._add_chunk(key, cell + (0,), (1,) * len(cell) + (numel,), _Target(staging.buffer, staging))
+        self._add_chunk(
+            key, cell + (0,), (1,) * len(cell) + (numel,), _Target(staging.buffer, staging)
+        )
         return staging
 
     # ------------------------------------------------------------------ reading
@@ -508,4 +568,3 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
                 f"{len(incomplete)} staging buffer(s) were not completely read; "
                 "the checkpoint's data files do not match its metadata"
             )
-

@@ -146,11 +146,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             thread_count=self.thread_count,
             separation_hint=self.separation_hint,
         )
-        writer, metadata, structure = save_state_dict_async_plan(
+        _, metadata, structure = save_state_dict_async_plan(
             by_key,
             writer,
             self.process_group,
-            planner=MCoreSavePlanner(),
+            planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica),
             cached_ckpt_structure=self._cached_structure if self.cached_metadata else None,
         )
         if self.cached_metadata:
@@ -215,11 +215,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         error: BaseException | None = None
         try:
             by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
-            by_key = _drop_empty_flat(by_key)
+            # Before dropping empty flat ranges: they too come back as (empty) tensors.
             for shards in by_key.values():
                 for sh in shards:
                     if isinstance(sh, ShardedTensor) and sh.data is None:
                         sh.init_data("cpu")
+            by_key = _drop_empty_flat(by_key)
             self._read(by_key, checkpoint_dir)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e

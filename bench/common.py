@@ -1,0 +1,142 @@
+"""Shared pieces of the benchmarks: timing across ranks, peak RSS, the raw baseline.
+
+Run the benchmarks with torchrun (``make bench`` does), e.g.
+``torchrun --standalone --nproc_per_node=2 bench/save_load.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+import torch.distributed as dist
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def log(msg: str) -> None:
+    if rank() == 0:
+        print(msg, flush=True)
+
+
+def _tree_rss(proc: psutil.Process) -> int:
+    """RSS of a process and its children (writer workers count too)."""
+    total = 0
+    with contextlib.suppress(psutil.Error):
+        total += proc.memory_info().rss
+        for child in proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += child.memory_info().rss
+    return total
+
+
+@dataclass
+class PeakRSS:
+    """Samples this rank's (and its children's) RSS in a background thread."""
+
+    interval_s: float = 0.005
+    peak: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> PeakRSS:
+        proc = psutil.Process()
+        self.peak = _tree_rss(proc)
+
+        def sample() -> None:
+            while not self._stop.wait(self.interval_s):
+                self.peak = max(self.peak, _tree_rss(proc))
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class Measurement:
+    seconds: float  # slowest rank, between two barriers
+    peak_rss: int  # largest over ranks
+
+
+@contextlib.contextmanager
+def measured() -> Iterator[list[Measurement]]:
+    """Time a collective phase (barrier to barrier, slowest rank) and its peak RSS."""
+    out: list[Measurement] = []
+    if dist.is_initialized():
+        dist.barrier()
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        yield out
+        if dist.is_initialized():
+            dist.barrier()
+        elapsed = time.perf_counter() - start
+    t = torch.tensor([elapsed, float(rss.peak)], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out.append(Measurement(float(t[0]), int(t[1])))
+
+
+def raw_blob(tensors: list[torch.Tensor]) -> bytearray:
+    """This rank's bytes in one buffer (built outside the timed region: the baseline
+    measures the disk, not a copy)."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    blob = bytearray(total)
+    pos = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        blob[pos : pos + n] = memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+        pos += n
+    return blob
+
+
+def raw_write(directory: str, blob: bytearray, files: int) -> None:
+    """The baseline: this rank's bytes in ``files`` files, one large write + fsync each."""
+    view = memoryview(blob)
+    per_file = -(-len(blob) // files)
+    for i in range(files):
+        path = os.path.join(directory, f"raw_{rank()}_{i}.bin")
+        with open(path, "wb", buffering=0) as f:
+            chunk = view[i * per_file : (i + 1) * per_file]
+            while chunk:
+                chunk = chunk[f.write(chunk) :]
+            os.fsync(f.fileno())
+
+
+def raw_read(directory: str, nbytes: int, files: int) -> bytearray:
+    """Read the baseline's files back into one preallocated buffer."""
+    blob = bytearray(nbytes)
+    view = memoryview(blob)
+    per_file = -(-nbytes // files)
+    for i in range(files):
+        path = os.path.join(directory, f"raw_{rank()}_{i}.bin")
+        with open(path, "rb", buffering=0) as f:
+            chunk = view[i * per_file : min((i + 1) * per_file, nbytes)]
+            while chunk:
+                n = f.readinto(chunk)
+                if not n:
+                    break
+                chunk = chunk[n:]
+    return blob
+
+
+def fmt_gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:6.2f} GB/s"
+
+
+def fmt_mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:7.0f} MiB"
