@@ -498,6 +498,14 @@ def _unsafe_load_error(message: str, source: str) -> UnsafeCheckpointError | Non
             "the file."
         )
     unsafe = _WO_UNSAFE_GLOBAL.search(message)
+    if unsafe and not unsafe.group(1).rsplit(".", 1)[-1][:1].isupper():
+        # Not named like a class (e.g. builtins.exec): never suggest allowing it.
+        name = _global_name(unsafe.group(1))
+        return UnsafeCheckpointError(
+            f"{source}: refusing to load: the pickle references '{name}', a function that "
+            "weights_only loading does not allow (unpickling it could execute code). Only "
+            "trusted=True loads it; pass it only if you trust the file."
+        )
     if unsafe:
         name = _global_name(unsafe.group(1))
         return UnsafeCheckpointError(

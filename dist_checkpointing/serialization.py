@@ -8,10 +8,11 @@ parameters 0.16-0.19 added (``async_strategy``, ``verify_integrity``,
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -59,6 +60,7 @@ from .validation import (
     determine_global_metadata,
     local_metadata_of,
     parse_strict_flag,
+    raise_on_all_ranks,
     validate_sharding_integrity_on_all_ranks,
 )
 
@@ -180,21 +182,45 @@ def _filter_out_empty_flat(sharded_part: dict | list) -> dict | list:
     return kept
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+ProcessGroup = dist.ProcessGroup | None
+_S = TypeVar("_S")
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _rank(group: ProcessGroup = None) -> int:
+    """This process's rank in ``group`` (the world by default)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _check_common_consistency(common_state_dict: CommonStateDict) -> None:
-    """Log (on rank 0) where other ranks' common state differs from rank 0's."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _multi_rank(group: ProcessGroup) -> bool:
+    return dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _first_rank(group: ProcessGroup) -> int:
+    """The global rank of the group's first rank (collective ``dst``/``src``)."""
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def _barrier(group: ProcessGroup = None) -> None:
+    if _multi_rank(group):
+        dist.barrier(group=group)
+
+
+def _with_group(strategy: _S, group: ProcessGroup) -> _S:
+    """``strategy`` bound to ``group`` if it has no group of its own (a copy: the
+    registered defaults are shared)."""
+    if group is not None and getattr(strategy, "process_group", group) is None:
+        strategy = copy.copy(strategy)
+        strategy.process_group = group  # type: ignore[attr-defined]
+    return strategy
+
+
+def _check_common_consistency(common_state_dict: CommonStateDict, group: ProcessGroup) -> None:
+    """Log (on the first rank) where other ranks' common state differs from its own."""
+    if not _multi_rank(group):
         return
-    gathered: list[Any] | None = [None] * dist.get_world_size() if _rank() == 0 else None
-    dist.gather_object(common_state_dict, gathered, dst=0)
+    is_first = _rank(group) == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if is_first else None
+    dist.gather_object(common_state_dict, gathered, dst=_first_rank(group), group=group)
     if gathered is None:
         return
     for rank, other in enumerate(gathered[1:], start=1):
@@ -216,6 +242,7 @@ def save_preprocess(
     validate_access_integrity: bool = True,
     preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict]
     | None = None,
+    process_group: ProcessGroup = None,
 ) -> tuple[ShardedStateDict, StateDict]:
     """Apply factories, drop non-persistent values, split sharded and common parts,
     and validate the sharding on every rank (collective when validating)."""
@@ -224,12 +251,12 @@ def save_preprocess(
     sharded_part, common_part = extract_matching_values(persistent, _is_sharded)
     sharded_part = _filter_out_empty_flat(sharded_part)
     if validate_access_integrity:
-        _, global_metadata = determine_global_metadata(sharded_part)  # type: ignore[arg-type]
-        validate_sharding_integrity_on_all_ranks(global_metadata)
+        _, global_metadata = determine_global_metadata(sharded_part, process_group)  # type: ignore[arg-type]
+        validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
         to_check = common_part
         if preprocess_common_before_consistancy_check is not None:
             to_check = preprocess_common_before_consistancy_check(common_part)  # type: ignore[arg-type]
-        _check_common_consistency(to_check)  # type: ignore[arg-type]
+        _check_common_consistency(to_check, process_group)  # type: ignore[arg-type]
     return sharded_part, common_part  # type: ignore[return-value]
 
 
@@ -266,14 +293,23 @@ def _check_async_strategy(async_strategy: str | None) -> None:
     )
 
 
-def _prepare_directory(checkpoint_dir: str | Path) -> None:
-    """Make sure an overwritten directory never looks complete during the new save."""
-    fs = filesystem_for(checkpoint_dir)
-    if not fs.is_dir(str(checkpoint_dir)):
+def _check_directory(checkpoint_dir: str | Path) -> None:
+    if not filesystem_for(checkpoint_dir).is_dir(str(checkpoint_dir)):
         raise CheckpointNotFoundError(
             f"Checkpoint destination directory does not exist: {checkpoint_dir}"
         )
-    if _rank() != 0:
+
+
+def _clear_commit_markers(checkpoint_dir: str | Path, group: ProcessGroup) -> None:
+    """Make sure an overwritten directory never looks complete during the new save.
+
+    Called after validation (a rejected save leaves an old checkpoint intact) and
+    before anything is written (the first rank does it before it writes
+    ``common.pt`` or takes part in the save planning, which other ranks' data
+    writes wait for).
+    """
+    fs = filesystem_for(checkpoint_dir)
+    if _rank(group) != 0:
         return
     names = fs.listdir(str(checkpoint_dir))
     if names:
@@ -284,34 +320,38 @@ def _prepare_directory(checkpoint_dir: str | Path) -> None:
             fs.remove(fs.join(str(checkpoint_dir), marker))
 
 
-def _own_data_files(checkpoint_dir: str | Path) -> list[str]:
-    prefix = f"__{_rank()}_"
+def _own_data_files(checkpoint_dir: str | Path, group: ProcessGroup) -> list[str]:
+    prefix = f"__{_rank(group)}_"
     names = filesystem_for(checkpoint_dir).listdir(str(checkpoint_dir))
     return [n for n in names if n.startswith(prefix) and n.endswith(".distcp")]
 
 
 def _commit(
-    checkpoint_dir: str | Path, config: CheckpointingConfig, verify_integrity: bool
+    checkpoint_dir: str | Path,
+    config: CheckpointingConfig,
+    verify_integrity: bool,
+    group: ProcessGroup,
 ) -> None:
-    """Finalize a save: integrity manifest (optional) then ``metadata.json`` (rank 0)."""
+    """Finalize a save: integrity manifest (optional), then ``metadata.json`` (first rank)."""
+    first = _rank(group) == 0
     if verify_integrity:
-        digests = integrity.digest_files(checkpoint_dir, _own_data_files(checkpoint_dir))
-        if _rank() == 0:
-            common = filesystem_for(checkpoint_dir).join(str(checkpoint_dir), "common.pt")
-            if filesystem_for(checkpoint_dir).exists(common):
-                digests.update(integrity.digest_files(checkpoint_dir, ["common.pt"]))
-        all_digests: list[Any] = [digests]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            all_digests = [None] * dist.get_world_size() if _rank() == 0 else []
-            dist.gather_object(digests, all_digests if _rank() == 0 else None, dst=0)
-        if _rank() == 0:
+        digests = integrity.digest_files(checkpoint_dir, _own_data_files(checkpoint_dir, group))
+        fs = filesystem_for(checkpoint_dir)
+        if first and fs.exists(fs.join(str(checkpoint_dir), "common.pt")):
+            digests.update(integrity.digest_files(checkpoint_dir, ["common.pt"]))
+        all_digests: list[Any] | None = [digests]
+        if _multi_rank(group):
+            all_digests = [None] * dist.get_world_size(group) if first else None
+            dist.gather_object(digests, all_digests, dst=_first_rank(group), group=group)
+        if first:
+            assert all_digests is not None
             merged: dict[str, str] = {}
             for d in all_digests:
                 merged.update(d)
             integrity.write_manifest(checkpoint_dir, merged)
-    if _rank() == 0:
+    if first:
         save_config(config, checkpoint_dir)
-    _barrier()
+    _barrier(group)
 
 
 # --------------------------------------------------------------------------- save
@@ -330,6 +370,7 @@ def save(
     async_strategy: str | None = None,
     verify_integrity: bool = False,
     content_metadata: dict | None = None,
+    process_group: ProcessGroup = None,
 ) -> AsyncRequest | None:
     """Save a sharded state dict to ``checkpoint_dir`` (collective: every rank calls it).
 
@@ -359,18 +400,26 @@ def save(
         verify_integrity: record a sha256 of every data file (``integrity.json``).
         content_metadata: a dict stored with the common state, read back by
             :func:`load_content_metadata`.
+        process_group: the ranks that save this checkpoint together (default: the
+            world); default strategies are bound to it.
 
     Returns:
         The AsyncRequest with ``async_sharded_save=True``, else None.
     """
     _check_async_strategy(async_strategy)
     sharded_strategy, common_strategy = _resolve_save_strategies(sharded_strategy, common_strategy)
+    sharded_strategy = _with_group(sharded_strategy, process_group)
+    common_strategy = _with_group(common_strategy, process_group)
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(f"{sharded_strategy} does not support async saves")
-    _prepare_directory(checkpoint_dir)
+    _check_directory(checkpoint_dir)
     sharded_part, common_part = save_preprocess(
-        sharded_state_dict, validate_access_integrity, preprocess_common_before_consistancy_check
+        sharded_state_dict,
+        validate_access_integrity,
+        preprocess_common_before_consistancy_check,
+        process_group,
     )
+    _clear_commit_markers(checkpoint_dir, process_group)
     if content_metadata is not None:
         common_part[CONTENT_METADATA_KEY] = content_metadata
     common_strategy.save_common(common_part, checkpoint_dir)
@@ -378,7 +427,8 @@ def save(
         objects, sharded_part = extract_matching_values(  # type: ignore[assignment]
             sharded_part, lambda x: isinstance(x, ShardedObject)
         )
-        common_strategy.save_sharded_objects(objects, checkpoint_dir)  # type: ignore[arg-type]
+        if objects:
+            common_strategy.save_sharded_objects(objects, checkpoint_dir)  # type: ignore[arg-type]
     config = CheckpointingConfig(
         sharded_strategy.backend,
         sharded_strategy.version,
@@ -387,7 +437,7 @@ def save(
     )
 
     def finalize() -> None:
-        _commit(checkpoint_dir, config, verify_integrity)
+        _commit(checkpoint_dir, config, verify_integrity, process_group)
 
     if not async_sharded_save:
         sharded_strategy.save(sharded_part, checkpoint_dir)
@@ -480,6 +530,7 @@ def load(
     strict: StrictHandling | str = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
     verify_integrity: bool = False,
+    process_group: ProcessGroup = None,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
@@ -500,8 +551,9 @@ def load(
         common_strategy: a LoadCommonStrategy or ``(backend, version)``.
         validate_access_integrity: check the request's sharding.
         strict: how to handle keys that differ (see :class:`StrictHandling`).
-        verify_integrity: check the data files this rank reads against the
-            checkpoint's ``integrity.json``.
+        verify_integrity: check the files this rank reads (data files and
+            ``common.pt``) against the checkpoint's ``integrity.json``.
+        process_group: the ranks that load together (default: the world).
 
     Returns:
         The loaded state dict; with ``RETURN_*`` strict modes also the sets of
@@ -510,6 +562,7 @@ def load(
     sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
         checkpoint_dir, sharded_strategy, common_strategy
     )
+    sharded_strategy = _with_group(sharded_strategy, process_group)
     common_state_dict = common_strategy.load_common(checkpoint_dir)
     nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)  # type: ignore[assignment]
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
@@ -525,22 +578,33 @@ def load(
         ckpt_metadata = load_sharded_metadata(checkpoint_dir, sharded_strategy, common_strategy)
     local_metadata, global_metadata = local_metadata_of(sharded_state_dict), None
     if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
-        local_metadata, global_metadata = determine_global_metadata(sharded_state_dict)
+        local_metadata, global_metadata = determine_global_metadata(
+            sharded_state_dict, process_group
+        )
     missing: set[str] = set()
     unexpected: set[str] = set()
+    error: Exception | None = None
     if ckpt_metadata is not None:
-        sharded_state_dict, missing, unexpected = apply_strict_handling(
-            sharded_state_dict, strict, ckpt_metadata, local_metadata, global_metadata
-        )
+        try:
+            sharded_state_dict, missing, unexpected = apply_strict_handling(
+                sharded_state_dict, strict, ckpt_metadata, local_metadata, global_metadata
+            )
+        except Exception as e:  # noqa: BLE001 - a key mismatch on one rank fails every rank
+            error = e
+        raise_on_all_ranks(error, process_group, what="Checking the requested keys")
     if validate_access_integrity:
         assert global_metadata is not None
-        validate_sharding_integrity_on_all_ranks(global_metadata)
+        validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
     if verify_integrity:
         keys = {
             sh.unique_key if isinstance(sh, ShardedObject) else sh.key
             for sh in nested_values(sharded_state_dict)
         }
-        integrity.verify_files(checkpoint_dir, _files_read_by(checkpoint_dir, keys))
+        files = _files_read_by(checkpoint_dir, keys)
+        fs = filesystem_for(checkpoint_dir)
+        if fs.exists(fs.join(str(checkpoint_dir), "common.pt")):
+            files.add("common.pt")
+        integrity.verify_files(checkpoint_dir, files)
 
     loaded = sharded_strategy.load(sharded_state_dict, checkpoint_dir)
     merge(common_state_dict, loaded)

@@ -75,11 +75,11 @@ class GoldenCase:
 
     @property
     def tensors(self) -> dict[str, dict[str, Any]]:
-        return self.manifest["tensors"]  # type: ignore[no-any-return]
+        return self.manifest["tensors"]
 
     @property
     def objects(self) -> dict[str, dict[str, Any]]:
-        return self.manifest["sharded_objects"]  # type: ignore[no-any-return]
+        return self.manifest["sharded_objects"]
 
     @property
     def flat_keys(self) -> list[str]:
@@ -124,7 +124,7 @@ class GoldenCase:
         return out
 
     def common_state(self) -> dict[str, Any]:
-        return decode_payload(self.manifest["common_state"])  # type: ignore[no-any-return]
+        return decode_payload(self.manifest["common_state"])
 
 
 def load_case(case_dir: Path) -> GoldenCase:
@@ -146,7 +146,7 @@ def golden_values_fn(manifest: dict[str, Any]) -> Callable[..., torch.Tensor]:
     namespace: dict[str, Any] = {"__name__": "golden_value_formula"}
     source = manifest["value_formula"]["python"]
     exec(compile(source, f"<value_formula of {manifest['case']}>", "exec"), namespace)
-    return namespace["golden_values"]  # type: ignore[no-any-return]
+    return namespace["golden_values"]
 
 
 def golden_values(key_index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -202,8 +202,10 @@ def pickle_globals(data: bytes) -> set[str]:
         elif name in _STRING_OPS:
             pushed.append(arg)
         elif name in _GET_OPS:
+            assert isinstance(arg, int)
             pushed.append(memo.get(arg))
         elif name in _PUT_OPS:
+            assert isinstance(arg, int)
             memo[arg] = pushed[-1] if pushed else None
         elif name == "MEMOIZE":
             memo[len(memo)] = pushed[-1] if pushed else None
@@ -543,6 +545,11 @@ def _flat(
     )
 
 
+def rank_offsets_of(shard: dict[str, Any]) -> tuple[tuple[int, int, int], ...]:
+    """A manifest shard's ``rank_offsets`` as ``(axis, axis_rank_offset, fragments)``."""
+    return tuple((int(a), int(o), int(f)) for a, o, f in shard["rank_offsets"])
+
+
 def saved_split_axes(case: GoldenCase, key: str) -> set[int]:
     """Global axes that the save split into more than one block."""
     return {
@@ -566,25 +573,13 @@ def other_split_axis(case: GoldenCase, key: str, parts: int) -> int | None:
 
 def _objects_everywhere(case: GoldenCase, replica_id: int) -> tuple[ObjectRequest, ...]:
     """Every stored object shard, each at its own path."""
-    out = []
+    out = {}
     for key, info in case.objects.items():
-        seen = set()
         for shard in info["shards"]:
-            offset = tuple(shard["global_offset"])
-            if offset in seen:
-                continue
-            seen.add(offset)
-            req = ObjectRequest(key, (), tuple(info["global_shape"]), offset, replica_id)
-            out.append(
-                ObjectRequest(
-                    req.key,
-                    ("objects", req.unique_key),
-                    req.global_shape,
-                    req.global_offset,
-                    replica_id,
-                )
-            )
-    return tuple(out)
+            path = ("objects", shard["unique_key"])
+            shape, offset = tuple(info["global_shape"]), tuple(shard["global_offset"])
+            out[path] = ObjectRequest(key, path, shape, offset, replica_id)
+    return tuple(out.values())
 
 
 def saved_layout(case: GoldenCase, path_mode: str = "relative") -> Layout:
@@ -604,11 +599,11 @@ def saved_layout(case: GoldenCase, path_mode: str = "relative") -> Layout:
                         key,
                         tuple(shard["sd_path"]),
                         info["dtype"],
-                        tuple(tuple(r) for r in shard["rank_offsets"]),  # type: ignore[misc]
+                        rank_offsets_of(shard),
                         tuple(local),
                         shard["replica_id"],
                         shard["prepend_axis_num"],
-                        tuple(flat) if flat is not None else None,  # type: ignore[arg-type]
+                        (flat[0], flat[1]) if flat is not None else None,
                     )
                 )
         objects = [
@@ -655,6 +650,13 @@ def whole_layout(
     return Layout(name, tuple(ranks), path_mode)
 
 
+def one_rank_loads_all_layout(case: GoldenCase) -> Layout:
+    """2 ranks: rank 0 loads every tensor and object whole, rank 1 requests nothing
+    (it still takes part in the collective load and gets the common state)."""
+    whole = whole_layout(case, 1, flat_keys_flat=True)
+    return Layout("rank0_only_ws2", (whole.ranks[0], RankRequest()))
+
+
 def other_axis_layout(case: GoldenCase, world_size: int) -> Layout:
     """Each tensor split along another axis than at save (regular requests, also for
     flat and prepended keys); tensors with no divisible axis are loaded whole."""
@@ -693,7 +695,7 @@ def _saved_blocks(case: GoldenCase, key: str) -> list[dict[str, Any]]:
     """One shard entry per distinct saved (TP) block of a flat key."""
     blocks: dict[tuple, dict[str, Any]] = {}
     for shard in case.tensors[key]["shards"]:
-        blocks.setdefault(tuple(map(tuple, shard["rank_offsets"])), shard)
+        blocks.setdefault(rank_offsets_of(shard), shard)
     return list(blocks.values())
 
 
@@ -715,17 +717,9 @@ def flat_tp_blocks_layout(case: GoldenCase) -> Layout:
     for key in case.flat_keys:
         for i, shard in enumerate(_saved_blocks(case, key)):
             block = tuple(shard["non_flat_local_shape"])
-            offsets = tuple(tuple(r) for r in shard["rank_offsets"])
+            path = _tpath(key, f"block{i}")
             tensors.append(
-                _flat(
-                    case,
-                    key,
-                    _tpath(key, f"block{i}"),
-                    offsets,
-                    block,
-                    0,  # type: ignore[arg-type]
-                    math.prod(block),
-                )
+                _flat(case, key, path, rank_offsets_of(shard), block, 0, math.prod(block))
             )
     return Layout("flat_tp_blocks_ws1", (RankRequest(tuple(tensors)),))
 
@@ -756,10 +750,10 @@ def flat_other_dp_layout(case: GoldenCase) -> Layout:
             split = next(
                 p for p in (m // 2, m // 3, 2 * m // 3, 1) if 0 < p < m and p not in saved_points
             )
-            offsets = tuple(tuple(r) for r in shard["rank_offsets"])
+            offsets = rank_offsets_of(shard)
             path = _tpath(key, f"block{i}")
-            per_rank[0].append(_flat(case, key, path, offsets, block, 0, split))  # type: ignore[arg-type]
-            per_rank[1].append(_flat(case, key, path, offsets, block, split, m))  # type: ignore[arg-type]
+            per_rank[0].append(_flat(case, key, path, offsets, block, 0, split))
+            per_rank[1].append(_flat(case, key, path, offsets, block, split, m))
     return Layout("flat_other_dp_ws2", tuple(RankRequest(tuple(t)) for t in per_rank))
 
 
@@ -831,6 +825,7 @@ def layouts_for(case: GoldenCase) -> list[Layout]:
         whole_layout(case, 1, flat_keys_flat=False),
         whole_layout(case, 2, flat_keys_flat=True, path_mode="relative_elsewhere"),
         other_axis_layout(case, 2),
+        one_rank_loads_all_layout(case),
     ]
     if case.flat_keys:
         layouts += [

@@ -17,7 +17,7 @@ import itertools
 import math
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,10 @@ import torch
 import torch.distributed as dist
 
 import dist_checkpointing as dcp
+
+# Imported for its side effect: the harness's forkserver then preloads torch's DCP
+# modules, which every rank would otherwise import lazily (seconds per rank and run).
+import dist_checkpointing.strategies.torch  # noqa: F401
 from dist_checkpointing import ShardedTensor
 
 # The int dtype of the same width, to flip every bit of a tensor of a given element size.
@@ -118,40 +122,48 @@ def make_sharded(key: str, ref: torch.Tensor, shard: Shard, fill: bool = True) -
     )
 
 
-def _grid_blocks(fragm: Sequence[int]) -> list[tuple[int, ...]]:
-    return list(itertools.product(*(range(f) for f in fragm)))
+def grid_shards(fragm: Sequence[int]) -> list[Shard]:
+    """Every block of the grid ``fragm``, in C order."""
+    fragm = tuple(fragm)
+    return [Shard(index, fragm) for index in itertools.product(*(range(f) for f in fragm))]
+
+
+def flat_shards(
+    shape: Sequence[int], fragm: Sequence[int], cuts: Sequence[Sequence[int]]
+) -> list[Shard]:
+    """The flat pieces of every grid block: block ``i``'s flattening cut at ``cuts[i]``
+    (sorted interior boundaries; a repeated boundary makes an empty range)."""
+    numel = math.prod(s // f for s, f in zip(shape, fragm))
+    return [
+        replace(block, flat=(a, b))
+        for block, block_cuts in zip(grid_shards(fragm), cuts)
+        for a, b in itertools.pairwise([0, *block_cuts, numel])
+    ]
+
+
+def deal(shards: Sequence[Shard], world_size: int, owners: Sequence[int] = ()) -> Layout:
+    """Shard ``i`` goes to rank ``owners[i]`` (round-robin without ``owners``)."""
+    layout: Layout = [[] for _ in range(world_size)]
+    for i, shard in enumerate(shards):
+        layout[owners[i] if owners else i % world_size].append(shard)
+    return layout
 
 
 def grid_layout(fragm: Sequence[int], world_size: int) -> Layout:
     """Blocks dealt round-robin to the ranks; a rank left without one holds a replica."""
-    fragm = tuple(fragm)
-    blocks = _grid_blocks(fragm)
-    layout: Layout = [[] for _ in range(world_size)]
-    for i, index in enumerate(blocks):
-        layout[i % world_size].append(Shard(index, fragm))
+    blocks = grid_shards(fragm)
+    layout = deal(blocks, world_size)
     for rank in range(len(blocks), world_size):
-        layout[rank].append(Shard(blocks[rank % len(blocks)], fragm, replica_id=1))
+        layout[rank].append(replace(blocks[rank % len(blocks)], replica_id=1))
     return layout
 
 
 def flat_layout(
-    shape: Sequence[int],
-    fragm: Sequence[int],
-    cuts: Sequence[Sequence[int]],
-    world_size: int,
+    shape: Sequence[int], fragm: Sequence[int], cuts: Sequence[Sequence[int]], world_size: int
 ) -> Layout:
-    """Each grid block's flattening cut at ``cuts[block]`` (sorted interior boundaries,
-    repeats make empty ranges); the pieces are dealt round-robin to the ranks."""
-    fragm = tuple(fragm)
-    numel = math.prod(s // f for s, f in zip(shape, fragm))
-    layout: Layout = [[] for _ in range(world_size)]
-    turn = 0
-    for index, block_cuts in zip(_grid_blocks(fragm), cuts):
-        bounds = [0, *block_cuts, numel]
-        for a, b in itertools.pairwise(bounds):
-            layout[turn % world_size].append(Shard(index, fragm, flat=(a, b)))
-            turn += 1
-    return layout
+    """The :func:`flat_shards` dealt round-robin to the ranks (with ``DP - 1`` cuts per
+    block on ``TP * DP`` ranks: rank ``dp + DP * tp`` holds piece ``dp`` of block ``tp``)."""
+    return deal(flat_shards(shape, fragm, cuts), world_size)
 
 
 def replicated_layout(ndim: int, world_size: int) -> Layout:
@@ -182,10 +194,12 @@ class TensorSpec:
 def sharded_state_dict(
     specs: Sequence[TensorSpec], rank: int, fill: bool = True
 ) -> dict[str, list[ShardedTensor]]:
-    """``rank``'s shards of every spec, ``{key: [ShardedTensor, ...]}``."""
+    """``rank``'s shards of every spec, ``{key: [ShardedTensor, ...]}`` (keys of which
+    ``rank`` holds nothing are left out: an empty list would be saved as common state)."""
     return {
         spec.key: [make_sharded(spec.key, spec.reference(), s, fill) for s in spec.layout[rank]]
         for spec in specs
+        if spec.layout[rank]
     }
 
 
@@ -207,8 +221,8 @@ def loaded_mismatches(results: Sequence[bytes], specs: Sequence[TensorSpec]) -> 
     for rank, packed in enumerate(results):
         loaded = unpack(packed)
         for spec in specs:
-            ref, got = spec.reference(), loaded.get(spec.key)
-            if got is None or len(got) != len(spec.layout[rank]):
+            ref, got = spec.reference(), loaded.get(spec.key, [])
+            if len(got) != len(spec.layout[rank]):
                 problems.append(f"rank {rank} '{spec.key}': got {got!r}")
                 continue
             for tensor, shard in zip(got, spec.layout[rank]):

@@ -87,7 +87,7 @@ OBJECT_PAYLOADS = {
     "per_rank_obj/shard_1_2": {"rank": 1, "text": "rang 1 é", "v": [2, 2.5, None, False]},
     "model.extra_state/shard_0_1": {"kind": "extra", "rng": torch.arange(4, dtype=torch.uint8)},
 }
-COMMON = {
+COMMON: dict[str, Any] = {
     "iteration": 5,
     "model": {"config_version": 3},
     "optimizer": {"param_groups": [{"lr": 0.5, "params": [0, 1]}]},
@@ -117,7 +117,9 @@ def _expected_stored(key: str) -> torch.Tensor:
 
 
 def _split(key: str, axis: int, rank: int) -> torch.Tensor:
-    return _global(key).chunk(2, dim=axis)[rank].clone()
+    """A view into the global tensor (contiguous or not, with a larger storage): each
+    saved item must still hold only its chunk."""
+    return _global(key).chunk(2, dim=axis)[rank]
 
 
 def _rank_state_dict(rank: int) -> dict[str, Any]:
@@ -148,9 +150,7 @@ def _rank_state_dict(rank: int) -> dict[str, Any]:
     )
     layers = _global("decoder.layers.w")
     sd["decoder"] = [  # several shards of one key on a rank, in a list
-        st.from_rank_offsets(
-            "decoder.layers.w", layers[layer].clone(), (0, layer, 4), prepend_axis_num=1
-        )
+        st.from_rank_offsets("decoder.layers.w", layers[layer], (0, layer, 4), prepend_axis_num=1)
         for layer in (2 * rank, 2 * rank + 1)
     ]
     sd["rng"] = dc.ShardedObject(
@@ -165,7 +165,7 @@ def _rank_state_dict(rank: int) -> dict[str, Any]:
             shards.append(
                 st.from_rank_offsets_flat(
                     key,
-                    block.reshape(-1)[start:stop].clone(),
+                    block.reshape(-1)[start:stop],
                     _flat_block_shape(key),
                     *offsets,
                     flattened_range=slice(start, stop),
@@ -268,6 +268,11 @@ def main():
     for i in range(0, len(jobs), 2):
         results[jobs[i]] = run_job(jobs[i], jobs[i + 1])
     results["__modules__"] = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+    try:
+        import dist_checkpointing  # noqa: F401
+        results["__import_guard__"] = "NOT BLOCKED"
+    except ImportError:
+        results["__import_guard__"] = "blocked"
     results["__sys_path__"] = list(sys.path)
     torch.save(results, result_path)
 
@@ -292,7 +297,8 @@ def _run_plain_torch(tmp: Path, ckpts: list[Path], mode: str) -> dict[str, Any]:
         timeout=180,
     )
     assert proc.returncode == 0, f"plain-torch reader failed:\n{proc.stdout}\n{proc.stderr}"
-    return torch.load(tmp / "result.pt", weights_only=False)  # type: ignore[no-any-return]
+    results: dict[str, Any] = torch.load(tmp / "result.pt", weights_only=False)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -313,11 +319,13 @@ def plain_torch_stand_in(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 def _job(results: dict[str, Any], ckpt: Path, step: str) -> dict[str, Any]:
     res = results[str(ckpt)]
     assert f"{step}_error" not in res, f"{step} of {ckpt} failed:\n{res[f'{step}_error']}"
-    return res[step]  # type: ignore[no-any-return]
+    loaded: dict[str, Any] = res[step]
+    return loaded
 
 
 def test_plain_torch_process_did_not_import_our_library(plain_torch: dict[str, Any]) -> None:
     assert plain_torch["__modules__"] == []
+    assert plain_torch["__import_guard__"] == "blocked"  # the guard was effective
     assert str(REPO_ROOT) not in plain_torch["__sys_path__"]
     assert "" not in plain_torch["__sys_path__"]
 
@@ -493,8 +501,14 @@ def test_stored_sizes_and_chunks(our_ckpt: Path) -> None:
     assert [tuple(c.sizes) for c in sdm["model.bias"].chunks] == [(5, 3)]  # type: ignore[union-attr]
 
 
+def _torch_save_bytes(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
 def test_storage_items_are_torch_save_zips(our_ckpt: Path) -> None:
-    """Each tensor item is a torch.save zip of exactly its chunk, each object item
+    """Each tensor item is the torch.save zip of exactly its chunk, each object item
     ``torch.save([payload])``, all loadable with ``weights_only=True``."""
     md = _read_metadata(our_ckpt)
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
@@ -505,12 +519,15 @@ def test_storage_items_are_torch_save_zips(our_ckpt: Path) -> None:
         assert len(raw) == info.length, index
         assert raw[:4] == b"PK\x03\x04", f"{index.fqn}: not a zip"
         value = torch.load(io.BytesIO(raw), weights_only=True)
+        # Byte for byte what torch.save writes for it (so, what Megatron-Core writes).
+        assert raw == _torch_save_bytes(value), f"{index.fqn} at {index.offset}"
         item = md.state_dict_metadata[index.fqn]
         if isinstance(item, BytesStorageMetadata):
             assert_same_value(value, [OBJECT_PAYLOADS[index.fqn]], index.fqn)
             seen.add((index.fqn, None))
             continue
-        offsets = tuple(index.offset)  # type: ignore[arg-type]
+        assert index.offset is not None, index
+        offsets = tuple(index.offset)
         (sizes,) = [tuple(c.sizes) for c in item.chunks if tuple(c.offsets) == offsets]
         box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         where = f"{index.fqn} chunk at {offsets}"
@@ -537,6 +554,7 @@ def test_our_checkpoint_loads_back_with_logical_shapes(our_ckpt: Path) -> None:
         for key in list(REGULAR) + list(FLAT)
     }
     loaded = dc.load(request, our_ckpt)
+    assert isinstance(loaded, dict)
     for key in request:
         assert_tensor_bitwise(loaded[key], _global(key), key)
     assert_same_value({k: loaded[k] for k in COMMON}, COMMON, "common part")

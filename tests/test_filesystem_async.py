@@ -1,4 +1,5 @@
-"""Tests of the storage writer (strategies/filesystem_async.py) and its torch.save writer.
+"""Tests of the storage writer (strategies/filesystem_async.py, write_workers.py) and its
+torch.save serializer (torch_save_zip.py).
 
 * the fast tensor serializer produces exactly torch.save's bytes (every dtype we use,
   empty and 0-d tensors, the golden Megatron-Core items) and falls back to torch.save;
@@ -43,13 +44,14 @@ from dist_checkpointing._torch_compat import StorageInfo
 from dist_checkpointing.errors import CheckpointWriteError, UnsupportedFeatureError
 from dist_checkpointing.safe_load import load_metadata
 from dist_checkpointing.strategies import filesystem_async as fa
-from dist_checkpointing.strategies import torch_save_zip
+from dist_checkpointing.strategies import fs_io, torch_save_zip
+from dist_checkpointing.strategies import write_workers as ww
 from dist_checkpointing.strategies.filesystem_async import (
-    FileResultsQueue,
     FileSystemWriterAsync,
     plan_buckets,
     split_by_size,
 )
+from dist_checkpointing.strategies.write_workers import FileResultsQueue
 from tests.harness import run_distributed
 
 GOLDEN = Path("/work/shared/golden")
@@ -114,8 +116,35 @@ def test_serializer_is_byte_identical_to_torch_save(dtype: torch.dtype, shape: t
     _assert_bit_equal(loaded, t)
 
 
-def test_serializer_large_tensor_spanning_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_save_zip, "_CHUNK_BYTES", 1000)  # many crc/write pieces
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_serializer_without_crc_matches_torch_save(dtype: torch.dtype) -> None:
+    """With torch's crc32 option off, both write zero checksums (and skip computing them)."""
+    torch.serialization.set_crc32_options(False)
+    try:
+        for shape in [(0,), (3, 4)]:
+            t = _sample(shape, dtype)
+            expected = io.BytesIO()
+            torch.save(t, expected)
+            ours = torch_save_zip.serialize_tensor(t)
+            assert ours == expected.getvalue()
+            assert torch_save_zip.fast_path_supported(dtype, False)
+            _assert_bit_equal(torch.load(io.BytesIO(ours), weights_only=True), t)
+            rec = torch_save_zip.parse_tensor_item(lambda o, n, b=ours: b[o : o + n], len(ours))
+            assert ours[rec.data_offset : rec.data_offset + rec.data_length] == bytes(
+                _bits(t).numpy() if t.numel() else b""
+            )
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+@pytest.mark.parametrize("parallel_crc", [True, False])
+def test_serializer_large_tensor_spanning_chunks(
+    monkeypatch: pytest.MonkeyPatch, parallel_crc: bool
+) -> None:
+    monkeypatch.setattr(torch_save_zip, "_CHUNK_BYTES", 1000)  # many write pieces
+    monkeypatch.setattr(torch_save_zip, "_CACHE_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(torch_save_zip, "_PARALLEL_CRC_BYTES", 4096)
+    monkeypatch.setattr(torch_save_zip, "_spare_cores", lambda: parallel_crc)
     t = _sample((3001,), torch.float32, seed=3)
     expected = io.BytesIO()
     torch.save(t, expected)
@@ -347,7 +376,7 @@ def test_async_path_round_trip(tmp_path: Path, thread_count: int) -> None:
     sd = _state_dict()
     writer, metadata = _prepared(tmp_path, sd, thread_count)
     fn, stage_fn, args = writer.get_save_function_and_args()
-    assert fn is fa.write_buckets_multiproc and stage_fn is not None
+    assert fn is ww.write_buckets_multiproc and stage_fn is not None
     assert stage_fn() is args[1]  # stages in place; also returns the buckets (Megatron style)
     pickle.dumps(args)  # the args can travel to a spawned worker
     assert not list(tmp_path.iterdir())
@@ -423,14 +452,14 @@ def test_removed_directory_async(tmp_path: Path) -> None:
 
 
 def test_worker_exception_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = fa.write_bucket_file
+    original = ww.write_bucket_file
 
     def failing(bucket: Any, fs: Any, sync_files: bool) -> Any:
         if bucket.relative_path == "__0_1.distcp":
             raise RuntimeError("injected failure")
         return original(bucket, fs, sync_files)
 
-    monkeypatch.setattr(fa, "write_bucket_file", failing)  # forked workers inherit it
+    monkeypatch.setattr(ww, "write_bucket_file", failing)  # forked workers inherit it
     writer, _ = _prepared(tmp_path, _state_dict(), 3)
     fn, _, args = writer.get_save_function_and_args()
     assert fn is not None
@@ -443,14 +472,14 @@ def test_worker_exception_is_reported(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_killed_worker_is_detected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = fa.write_bucket_file
+    original = ww.write_bucket_file
 
     def dying(bucket: Any, fs: Any, sync_files: bool) -> Any:
         if bucket.relative_path == "__0_0.distcp":
             os.kill(os.getpid(), signal.SIGKILL)
         return original(bucket, fs, sync_files)
 
-    monkeypatch.setattr(fa, "write_bucket_file", dying)
+    monkeypatch.setattr(ww, "write_bucket_file", dying)
     writer, _ = _prepared(tmp_path, _state_dict(), 2)
     fn, _, args = writer.get_save_function_and_args()
     assert fn is not None
@@ -550,3 +579,40 @@ def test_two_ranks(tmp_path: Path, use_async: bool) -> None:
     paths = {idx.fqn: info.relative_path for idx, info in md.storage_data.items()}
     assert paths["rank1.w"].startswith("__1_") and paths["rank0.w"].startswith("__0_")
     assert json.dumps(sorted(paths))  # every key has one location
+
+
+# --------------------------------------------------------------------------- fs_io, GPU
+
+
+def test_atomic_write_replaces_and_leaves_no_temporary(tmp_path: Path) -> None:
+    fs = fs_io.filesystem_for(tmp_path)
+    target = str(tmp_path / "file")
+    fs.atomic_write(target, b"old")
+    fs.atomic_write(target, b"new contents")
+    assert (tmp_path / "file").read_bytes() == b"new contents"
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+    with pytest.raises(FileNotFoundError):
+        fs.atomic_write(str(tmp_path / "missing" / "file"), b"x")
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_validate_checkpoint_id(tmp_path: Path) -> None:
+    assert FileSystemWriterAsync.validate_checkpoint_id(tmp_path / "new" / "dir")
+    assert not FileSystemWriterAsync.validate_checkpoint_id("msc://bucket/ckpt")
+
+
+@pytest.mark.gpu
+def test_stage_buckets_copies_accelerator_tensors(tmp_path: Path) -> None:
+    sd = {"gpu": _sample((64, 3), torch.bfloat16).cuda(), "cpu": _sample((5,), torch.float32)}
+    writer, metadata = _prepared(tmp_path, sd, 2)
+    fn, stage_fn, args = writer.get_save_function_and_args()
+    assert fn is not None and stage_fn is not None
+    staged = stage_fn()
+    tensors = [t for b in staged for _, t in b.tensor_items]
+    assert all(t.is_cpu for t in tensors) and any(t.is_pinned() for t in tensors)
+    fn(*args)
+    writer.finish(metadata, [writer.retrieve_write_results()])
+    out = {"gpu": torch.zeros(64, 3, dtype=torch.bfloat16), "cpu": torch.zeros(5)}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+    _assert_bit_equal(out["gpu"], sd["gpu"].cpu())
+    _assert_bit_equal(out["cpu"], sd["cpu"])

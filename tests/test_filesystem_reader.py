@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from dist_checkpointing.errors import (
 )
 from dist_checkpointing.strategies import filesystem_reader as fr
 from dist_checkpointing.strategies import fs_io
+from dist_checkpointing.strategies import torch_save_zip as tsz
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from dist_checkpointing.strategies.filesystem_reader import FileSystemReader, read_object_bytes
 from dist_checkpointing.strategies.torch_save_zip import parse_tensor_item
@@ -72,6 +74,10 @@ def _sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return _bits(t).numpy().tobytes() if t.numel() else b""
 
 
 def _assert_bit_equal(a: torch.Tensor, b: torch.Tensor, key: str = "") -> None:
@@ -398,6 +404,49 @@ def test_fallback_to_torch_load_for_strided_items(
     _read(tmp_path, [("dst", "t", (1, 2), (2, 3), target)])
     _assert_bit_equal(target, source[1:3, 2:5])
     assert calls == ["dst"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_parser_template_and_zip_walk_agree(dtype: torch.dtype) -> None:
+    for shape in [(), (0,), (3, 5), (2, 1, 4)]:
+        t = _sample(shape, dtype)
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        data = buf.getvalue()
+
+        def read_at(o: int, n: int, data: bytes = data) -> bytes:
+            return data[o : o + n]
+
+        record = parse_tensor_item(read_at, len(data))
+        assert tsz._match_template(read_at, len(data)) == record  # the quick path matched
+        assert tsz._parse_zip(read_at, len(data)) == record
+        assert (record.dtype, record.shape, record.storage_offset) == (dtype, shape, 0)
+        stored = data[record.data_offset : record.data_offset + record.data_length]
+        assert stored == _raw(t)
+
+
+def test_parser_handles_other_zip_layouts() -> None:
+    """An archive torch.load accepts but laid out differently (Python's zipfile, no
+    alignment, other archive name) is parsed by walking its directory."""
+    t = _sample((4, 3), torch.float32, seed=9)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src:
+        records = {i.filename.replace("archive/", "other/"): src.read(i) for i in src.infolist()}
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for name, payload in records.items():
+            dst.writestr(name, payload)
+    data = out.getvalue()
+
+    def read_at(o: int, n: int) -> bytes:
+        return data[o : o + n]
+
+    assert tsz._match_template(read_at, len(data)) is None
+    record = parse_tensor_item(read_at, len(data))
+    stored = data[record.data_offset : record.data_offset + record.data_length]
+    assert stored == _raw(t)
+    _assert_bit_equal(torch.load(io.BytesIO(data), weights_only=True), t)
 
 
 def test_parser_rejects_non_tensor_archives() -> None:

@@ -220,27 +220,56 @@ def test_load_sharded_metadata(case: GoldenCase) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_load_plain_tensors(case: GoldenCase) -> None:
-    """Every tensor whole; flat keys as Megatron-Core returns them (flat), or logical."""
+    """Every tensor whole; flat keys come back flat (1-D), as with Megatron-Core 0.13,
+    since load_tensors_metadata describes them as one whole flat range."""
     loaded = dc.load_plain_tensors(case.ckpt_dir)
     for key in case.tensors:
         expected = _global(case, key)
-        got = loaded[key]
-        if key in case.flat_keys and got.ndim == 1 and expected.ndim != 1:
+        if key in case.flat_keys:
             expected = expected.reshape(-1)
-        assert_tensor_bitwise(got, expected, f"{case.id} load_plain_tensors {key}")
+        assert_tensor_bitwise(loaded[key], expected, f"{case.id} load_plain_tensors {key}")
     for path in leaf_paths(case.common_state()):
         got = get_path(loaded, path, f"{case.id} load_plain_tensors")
         assert_same_value(got, get_path(case.common_state(), path), f"common {path}")
 
 
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_strict_return_all_reports_keys(case: GoldenCase) -> None:
+    """Missing = stored keys not requested (tensors and objects, never the 0.19
+    ``common_state`` object); unexpected = requested keys the checkpoint lacks."""
+    first = next(iter(case.tensors))
+    info = case.tensors[first]
+    request = {
+        "a": dc.ShardedTensor.from_rank_offsets(
+            first, torch.empty(info["global_shape"], dtype=case.dtype(first))
+        ),
+        "b": dc.ShardedTensor.from_rank_offsets("not.in.checkpoint", torch.zeros(2)),
+    }
+    result = dc.load(request, case.ckpt_dir, strict=dc.StrictHandling.RETURN_ALL)
+    assert isinstance(result, tuple)
+    loaded, missing, unexpected = result
+    assert set(missing) == (set(case.tensors) - {first}) | set(case.objects)
+    assert set(unexpected) == {"not.in.checkpoint"}
+    assert_tensor_bitwise(loaded["a"], _global(case, first), f"{case.id} {first}")
+    assert "b" not in loaded
+
+
 def test_loading_legacy_checkpoints_registers_no_megatron_module() -> None:
     """0.13.1's .metadata names a Megatron class; loading must not fake a ``megatron``
     package in sys.modules (it would shadow a real Megatron-Core install)."""
+
+    def megatron_modules() -> set[str]:
+        return {m for m in sys.modules if m == "megatron" or m.startswith("megatron.")}
+
+    before = megatron_modules()
     for case in CASES:
         if case.is_legacy:
             dc.load_tensors_metadata(case.ckpt_dir)
             dc.load_sharded_metadata(case.ckpt_dir)
-    assert not [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]
+            dc.load(
+                build_state_dict(whole_layout(case, 1, flat_keys_flat=True).ranks[0]), case.ckpt_dir
+            )
+    assert megatron_modules() == before
 
 
 def test_wrong_global_shape_names_the_key() -> None:

@@ -8,6 +8,7 @@ independently of the library.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,12 @@ import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
 from tests.harness import run_distributed
 from tests.layouts import (
+    Layout,
     TensorSpec,
+    deal,
     even_cuts,
     flat_layout,
+    flat_shards,
     grid_layout,
     load_specs,
     loaded_mismatches,
@@ -38,10 +42,10 @@ SHAPE = (8, 12)
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 
 
-def _specs(name: str, layout_of: Any, shape: tuple[int, ...] = SHAPE) -> list[TensorSpec]:
-    """One spec per dtype, all in the layout ``layout_of(shape)``."""
+def _specs(name: str, layout_of: Callable[[tuple[int, ...]], Layout]) -> list[TensorSpec]:
+    """One spec of shape SHAPE per dtype, all in the layout ``layout_of(SHAPE)``."""
     return [
-        TensorSpec(f"{name}_{str(dtype).removeprefix('torch.')}", shape, dtype, layout_of(shape))
+        TensorSpec(f"{name}_{str(dtype).removeprefix('torch.')}", SHAPE, dtype, layout_of(SHAPE))
         for dtype in DTYPES
     ]
 
@@ -58,11 +62,13 @@ def _save_then_load(
         assert loaded_mismatches(results, specs) == [], f"loading on {world_size} ranks"
 
 
-def _grid(fragm: tuple[int, ...], world_size: int) -> Any:
+def _grid(fragm: tuple[int, ...], world_size: int) -> Callable[[tuple[int, ...]], Layout]:
     return lambda shape: grid_layout(fragm, world_size)
 
 
-def _flat(fragm: tuple[int, ...], cuts: list[list[int]], world_size: int) -> Any:
+def _flat(
+    fragm: tuple[int, ...], cuts: list[list[int]], world_size: int
+) -> Callable[[tuple[int, ...]], Layout]:
     return lambda shape: flat_layout(shape, fragm, cuts, world_size)
 
 
@@ -130,15 +136,11 @@ def test_non_flat_to_flat(tmp_path: Path) -> None:
 
 
 def test_flat_tp2xdp2_to_tp1xdp2(tmp_path: Path) -> None:
-    # Saved on 4 ranks (rank = tp + 2 * dp); loaded on 2 with ranges over the whole tensor,
-    # i.e. another block shape: every range is assembled from the stored blocks.
-    saved = _specs("opt", _flat((2, 1), [[17], [40]], 4))
-    assert [[s.index for s in shards] for shards in saved[0].layout] == [
-        [(0, 0)],
-        [(0, 0)],
-        [(1, 0)],
-        [(1, 0)],
-    ]
+    # Saved on 4 ranks, rank = tp + 2 * dp holding piece dp of TP block tp; loaded on 2
+    # with ranges over the whole tensor, i.e. another block shape: every range is
+    # assembled from the stored blocks.
+    pieces = flat_shards(SHAPE, (2, 1), [[17], [40]])  # (tp, dp) = (0,0), (0,1), (1,0), (1,1)
+    saved = _specs("opt", lambda shape: deal(pieces, 4, owners=[0, 2, 1, 3]))
     _save_then_load(
         tmp_path,
         (4, saved),
@@ -238,7 +240,9 @@ def _load_vocab(ckpt_dir: Path, local_rows: int) -> bytes:
             "vocab", data, (0, rank, 2), allow_shape_mismatch=True
         )
     }
-    return pack(dcp.load(request, ckpt_dir)["vocab"])
+    loaded = dcp.load(request, ckpt_dir)
+    assert isinstance(loaded, dict)
+    return pack(loaded["vocab"])
 
 
 @pytest.mark.parametrize("local_rows", [6, 4], ids=["padded", "truncated"])

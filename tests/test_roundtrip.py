@@ -67,8 +67,8 @@ def _dtype_keys(world_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]
 
 
 def _tensors_roundtrip(ckpt_dir: Path) -> bytes:
-    """Save each dtype split along each axis, a scalar and a whole tensor; load them back
-    (one of them into a transposed view). Returns what load returned and the view."""
+    """Save each dtype split along each axis, a 0-d scalar and a 2-D tensor; load them back
+    (the 2-D one into a transposed view). Returns what load returned and the view."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     keys = _dtype_keys(world_size)
 
@@ -178,7 +178,7 @@ def _factory_roundtrip(ckpt_dir: Path) -> bytes:
     ref = reference_tensor("factory", (4, 3 * world_size), torch.float32)
     local = ref[:, 3 * rank : 3 * rank + 3].clone()
 
-    def sd(data: torch.Tensor) -> bytes:
+    def sd(data: torch.Tensor) -> dict[str, Any]:
         return {"w": ShardedTensorFactory("factory", data, _split_build, _concat_merge)}
 
     dcp.save(sd(local), ckpt_dir)
@@ -194,7 +194,7 @@ def _allocated_by_loader(ckpt_dir: Path, layout_cuts: list[list[int]]) -> bytes:
     grid = grid_layout((world_size, 1), world_size)[rank]
     flat = flat_layout((4, 6), (1, 2), layout_cuts, world_size)[rank]
 
-    def sd(fill: bool) -> bytes:
+    def sd(fill: bool) -> dict[str, Any]:
         return {
             "grid": [make_sharded("alloc", ref, s, fill) for s in grid],
             "flat": [make_sharded("alloc_flat", ref, s, fill) for s in flat],
@@ -215,7 +215,7 @@ def _save_with_threads(ckpt_dir: Path, thread_count: int) -> bytes:
         f"t{i}": reference_tensor(f"t{i}", (2 * world_size, 5), torch.float32) for i in range(5)
     }
 
-    def sd(fill: bool) -> bytes:
+    def sd(fill: bool) -> dict[str, Any]:
         return {
             key: make_sharded(key, ref, Shard((rank, 0), (world_size, 1)), fill)
             for key, ref in refs.items()

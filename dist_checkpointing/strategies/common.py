@@ -53,10 +53,20 @@ def register_default_common_strategies() -> None:
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
-    """Writes ``common.pt`` (rank 0 of the default group)."""
+    """Writes ``common.pt`` (the first rank of ``process_group``, default: the world)."""
+
+    def __init__(
+        self,
+        backend: str = "torch",
+        version: int = 1,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(backend, version)
+        self.process_group = process_group
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: str | Path) -> None:
-        if dist.is_initialized() and dist.get_rank() != 0:
+        if dist.is_initialized() and dist.get_rank(self.process_group) != 0:
             return
         fs = filesystem_for(checkpoint_dir)
         buf = io.BytesIO()

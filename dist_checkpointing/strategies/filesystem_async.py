@@ -6,30 +6,24 @@ the chunk, a bytes item its raw bytes) and a pickled torch ``Metadata`` in
 ``.metadata``, written last and atomically. Megatron-Core and plain
 ``torch.distributed.checkpoint`` read them.
 
-Tensor items are serialized by :mod:`.torch_save_zip`-style code in this module
-(``_write_tensor_item``), which produces byte for byte what ``torch.save`` produces,
-without its per-item overhead; anything it does not handle goes through ``torch.save``.
+This module holds the DCP protocol (:class:`FileSystemWriterAsync`) and the pure
+bucketing functions; :mod:`.write_workers` writes the buckets, and
+:mod:`.torch_save_zip` serializes tensor items (byte for byte what ``torch.save``
+writes, without its per-item overhead).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import gc
+import functools
 import heapq
 import logging
 import os
 import pickle
 import queue
-import shutil
-import signal
-import tempfile
-import threading
-import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -37,59 +31,26 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._torch_compat import (
-    DATA_FILE_SUFFIX,
-    DCP_VERSION,
-    METADATA_FILE_NAME,
-    StorageInfo,
-    StoragePrefix,
-)
+from .._torch_compat import DATA_FILE_SUFFIX, DCP_VERSION, METADATA_FILE_NAME, StoragePrefix
 from ..errors import CheckpointingException, CheckpointWriteError, UnsupportedFeatureError
-from . import torch_save_zip
-from .fs_io import FileSystemIO, filesystem_for
+from .fs_io import filesystem_for
+from .write_workers import (
+    FileResultsQueue,
+    ResultsQueue,
+    WriteBucket,
+    WriteOutcome,
+    stage_buckets_to_host,
+    write_buckets_multiproc,
+    write_buckets_threaded,
+)
 
 logger = logging.getLogger(__name__)
 
 # How long retrieve_write_results waits for the write function's outcome by default.
 # The outcome is normally there already: finalization runs after the write finished.
-DEFAULT_RESULTS_TIMEOUT_S = 60.0
+DEFAULT_RESULTS_TIMEOUT_S = 10.0
 # Accepted for parity with torch's FileSystemWriter (bytes staged ahead per thread).
 DEFAULT_PER_THREAD_COPY_AHEAD = 10_000_000
-
-
-class ResultsQueue(Protocol):
-    """What the write function needs to hand its outcome back (a queue-like object)."""
-
-    def put(self, obj: Any) -> None: ...
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
-
-
-@dataclass
-class WriteBucket:
-    """The items of one data file, resolved and ready to write.
-
-    ``tensors`` hold CPU tensors after staging (accelerator tensors before it).
-    Instances are plain picklable data, so a bucket can travel to a worker process.
-    """
-
-    path: str  # where to write the file
-    relative_path: str  # the file name recorded in the metadata
-    byte_items: list[tuple[WriteItem, Any]] = field(default_factory=list)  # (item, BytesIO)
-    tensor_items: list[tuple[WriteItem, torch.Tensor]] = field(default_factory=list)
-
-    def nbytes(self) -> int:
-        """Payload bytes of the tensors (without zip overhead and bytes items)."""
-        return sum(t.numel() * t.element_size() for _, t in self.tensor_items)
-
-
-@dataclass
-class WriteOutcome:
-    """What the write function reports for one rank: per-bucket results or errors."""
-
-    rank: int
-    results: dict[int, list[WriteResult]] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- bucketing
@@ -102,7 +63,12 @@ def item_size(item: WriteItem) -> int:
     numel = 1
     for s in item.tensor_data.chunk.sizes:  # the chunk, not the global tensor
         numel *= s
-    return numel * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return numel * _itemsize(item.tensor_data.properties.dtype)
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def split_by_size(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -146,7 +112,7 @@ def plan_buckets(
     return [b for group in groups for b in split_by_size(group, bins) if b]
 
 
-# --------------------------------------------------------------------------- staging
+# --------------------------------------------------------------------------- preparing
 
 
 def _is_whole_storage(t: torch.Tensor) -> bool:
@@ -164,304 +130,6 @@ def _prepare_tensor(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu" and not _is_whole_storage(t):
         return t.clone(memory_format=torch.contiguous_format)
     return t
-
-
-def stage_buckets_to_host(buckets: list[WriteBucket]) -> list[WriteBucket]:
-    """Copy accelerator tensors of ``buckets`` to host memory, in place.
-
-    Copies go to pinned memory with ``non_blocking`` and each device is synchronized
-    once at the end. Returns ``buckets`` itself (the same list, now holding host
-    tensors), so a caller may either use the return value or ignore it.
-    """
-    devices: set[torch.device] = set()
-    for bucket in buckets:
-        for i, (item, t) in enumerate(bucket.tensor_items):
-            if t.device.type == "cpu":
-                continue
-            host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            bucket.tensor_items[i] = (item, host)
-            devices.add(t.device)
-    for device in devices:
-        torch.accelerator.synchronize(device)
-    return buckets
-
-
-# --------------------------------------------------------------------------- writing
-
-
-def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -> list[WriteResult]:
-    """Write one bucket's items to its file; return one WriteResult per item.
-
-    Bytes items come first, then tensors. Raises ``OSError`` on I/O failure.
-    """
-    results: list[WriteResult] = []
-    with fs.open_write(bucket.path) as stream:
-        offset = 0
-        for item, data in bucket.byte_items:
-            length = stream.write(data.getbuffer())
-            results.append(_result(item, bucket.relative_path, offset, length))
-            offset += length
-        for item, tensor in bucket.tensor_items:
-            if tensor.device.type != "cpu":
-                raise CheckpointingException(
-                    f"tensor {item.index.fqn!r} for {bucket.path} is on {tensor.device}: "
-                    f"buckets must be staged to host memory (stage_buckets_to_host) first"
-                )
-            length = torch_save_zip.write_tensor(stream, tensor)
-            results.append(_result(item, bucket.relative_path, offset, length))
-            offset += length
-        if sync_files:
-            fs.fsync(stream)
-    return results
-
-
-def _result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
-    return WriteResult(
-        index=item.index,
-        size_in_bytes=length,
-        storage_data=StorageInfo(relative_path, offset, length),
-    )
-
-
-_ERRNO_HINTS = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is exceeded",
-    errno.EFBIG: "the file size limit (RLIMIT_FSIZE) or the filesystem's maximum file size "
-    "was reached",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "operation not permitted",
-    errno.ENOENT: "the checkpoint directory does not exist (removed during the save?)",
-    errno.EROFS: "the filesystem is read-only",
-}
-
-
-def _failure_text(exc: BaseException) -> str:
-    """A one-line cause for an error message, with a hint for common OS errors."""
-    text = f"{type(exc).__name__}: {exc}"
-    hint = _ERRNO_HINTS.get(getattr(exc, "errno", None) or -1)
-    return f"{text} ({hint})" if hint else text
-
-
-def _traceback_text(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-
-
-def _write_error(rank: int, bucket: WriteBucket, cause: str) -> str:
-    return f"rank {rank}: writing checkpoint file {bucket.path} failed: {cause}"
-
-
-def _record_failure(
-    outcome: WriteOutcome, idx: int, bucket: WriteBucket, cause: str, tb: str | None
-) -> None:
-    outcome.errors[idx] = _write_error(outcome.rank, bucket, cause)
-    if tb:
-        logger.error("%s\n%s", outcome.errors[idx], tb)
-
-
-def write_buckets_threaded(
-    rank: int, buckets: list[WriteBucket], fs: FileSystemIO, sync_files: bool
-) -> WriteOutcome:
-    """Write each bucket in its own thread of this process (the first in this thread)."""
-    outcome = WriteOutcome(rank)
-
-    def run(idx: int) -> None:
-        try:
-            outcome.results[idx] = write_bucket_file(buckets[idx], fs, sync_files)
-        except Exception as exc:  # noqa: BLE001 - reported through the outcome
-            _record_failure(outcome, idx, buckets[idx], _failure_text(exc), _traceback_text(exc))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(buckets))]
-    for t in threads:
-        t.start()
-    if buckets:
-        run(0)
-    for t in threads:
-        t.join()
-    return outcome
-
-
-@contextmanager
-def _gc_disabled() -> Iterator[None]:
-    # A collection in a forked process may free objects inherited from the parent
-    # (e.g. CUDA tensors) whose teardown is only valid in the parent.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _bucket_worker(
-    rank: int, bucket: WriteBucket, fs: FileSystemIO, sync_files: bool, conn: Any
-) -> None:
-    """Entry point of a per-bucket worker process: write, then send results or error text."""
-    gc.disable()
-    # Exceeding RLIMIT_FSIZE then fails the write with EFBIG (a clear error)
-    # instead of killing this process with SIGXFSZ.
-    if hasattr(signal, "SIGXFSZ"):
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    try:
-        message: tuple[Any, ...] = ("ok", write_bucket_file(bucket, fs, sync_files))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        message = ("error", _failure_text(exc), _traceback_text(exc))
-    conn.send(message)
-    conn.close()
-
-
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "did not exit"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = str(-exitcode)
-        hint = " (file size limit exceeded)" if name == "SIGXFSZ" else ""
-        return f"was killed by signal {name}{hint}"
-    return f"exited with code {exitcode}"
-
-
-def _worker_context() -> Any:
-    import multiprocessing
-
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-
-
-def _run_bucket_workers(
-    rank: int, buckets: list[WriteBucket], fs: FileSystemIO, sync_files: bool
-) -> WriteOutcome:
-    """Fork one worker per bucket; collect each one's results, error or death."""
-    from multiprocessing.connection import wait
-
-    ctx = _worker_context()
-    outcome = WriteOutcome(rank)
-    pending: dict[Any, tuple[int, Any, Any]] = {}  # sentinel -> (idx, process, reader)
-    for idx, bucket in enumerate(buckets):
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_bucket_worker,
-            args=(rank, bucket, fs, sync_files, writer),
-            name=f"dist-ckpt-writer-r{rank}-b{idx}",
-            daemon=True,
-        )
-        try:
-            proc.start()
-        except Exception as exc:  # noqa: BLE001 - reported through the outcome
-            _record_failure(outcome, idx, bucket, f"cannot start worker: {exc}", None)
-            reader.close()
-            continue
-        finally:
-            writer.close()
-        pending[proc.sentinel] = (idx, proc, reader)
-    while pending:
-        # Results arrive on the readers; a sentinel fires when a worker exits. A
-        # worker killed before sending leaves only its sentinel: no hang.
-        ready = set(wait(list(pending) + [r for _, _, r in pending.values()]))
-        for sentinel, (idx, proc, reader) in list(pending.items()):
-            if reader not in ready and sentinel not in ready:
-                continue
-            message = None
-            try:
-                if reader.poll():
-                    message = reader.recv()
-            except (EOFError, OSError):
-                message = None
-            if message is None and sentinel not in ready:
-                continue  # EOF without data while the process is still exiting
-            proc.join()
-            reader.close()
-            del pending[sentinel]
-            if message is not None and message[0] == "ok":
-                outcome.results[idx] = message[1]
-            elif message is not None:
-                _record_failure(outcome, idx, buckets[idx], message[1], message[2])
-            else:
-                cause = (
-                    f"worker process {proc.pid} {_describe_exit(proc.exitcode)} "
-                    f"without reporting a result"
-                )
-                _record_failure(outcome, idx, buckets[idx], cause, None)
-    return outcome
-
-
-def write_buckets_multiproc(
-    rank: int, buckets: list[WriteBucket], results_queue: ResultsQueue, sync_files: bool = True
-) -> None:
-    """Write ``buckets`` (staged to host) and put a :class:`WriteOutcome` into ``results_queue``.
-
-    The write function of :meth:`FileSystemWriterAsync.get_save_function_and_args`;
-    module-level and taking plain arguments, so it runs in a worker process. One
-    bucket is written in this process; several are written by one forked process
-    each (``fork`` where available: this function usually runs in a process that
-    was itself forked from the trainer, and forking avoids re-importing it; the
-    buckets need not be pickled). A worker that raises reports its traceback; one
-    that dies is detected from its exit code. Never raises for write failures:
-    they go into the outcome, and :meth:`FileSystemWriterAsync.retrieve_write_results`
-    raises them.
-    """
-    import multiprocessing
-
-    fs = filesystem_for(os.path.dirname(buckets[0].path) if buckets else ".")
-    with _gc_disabled():
-        if multiprocessing.current_process().daemon and len(buckets) > 1:
-            # A daemonic process may not start children: write with threads instead.
-            outcome = write_buckets_threaded(rank, buckets, fs, sync_files)
-        elif len(buckets) == 1:
-            try:
-                outcome = WriteOutcome(rank, {0: write_bucket_file(buckets[0], fs, sync_files)})
-            except Exception as exc:  # noqa: BLE001 - reported through the outcome
-                outcome = WriteOutcome(rank)
-                _record_failure(outcome, 0, buckets[0], _failure_text(exc), _traceback_text(exc))
-        else:
-            outcome = _run_bucket_workers(rank, buckets, fs, sync_files)
-    results_queue.put(outcome)
-
-
-# --------------------------------------------------------------------------- results channel
-
-
-class FileResultsQueue:
-    """A one-shot results channel backed by a private temporary file.
-
-    ``put`` (any process, once) writes the pickled object atomically; ``get`` (the
-    creating process) reads and deletes it. Unlike a ``multiprocessing.Queue`` it
-    never blocks the producer (a process holding unread queue data cannot exit),
-    needs no manager process, and pickles as its path, so it reaches forked and
-    spawned workers alike. :meth:`close` removes the directory.
-    """
-
-    def __init__(self, rank: int) -> None:
-        self.directory = tempfile.mkdtemp(prefix=f"dist_ckpt_results_r{rank}_")
-        self.path = os.path.join(self.directory, "outcome.pkl")
-
-    def put(self, obj: Any) -> None:
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, self.path)
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        """Return the object put, waiting up to ``timeout`` seconds; ``queue.Empty`` if none."""
-        import time
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.001
-        while not os.path.exists(self.path):
-            if not block or (deadline is not None and time.monotonic() >= deadline):
-                raise queue.Empty
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        with open(self.path, "rb") as f:
-            obj = pickle.load(f)  # our own file in a private (0700) directory
-        os.remove(self.path)
-        return obj
-
-    def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- metadata
@@ -485,8 +153,9 @@ class FileSystemWriterAsync(StorageWriter):
     2. (all ranks) ``prepare_local_plan(plan)``: creates the directory, and on the
        coordinator removes a stale ``.metadata``; sets the file prefix ``__<rank>_``.
     3. (coordinator) ``prepare_global_plan(plans)``: fills prefixes still missing.
-    4. (all ranks) ``write_data(plan, planner)``: ``prepare_write_data``, staging, and
-       one thread per bucket file in this process; returns a completed Future.
+    4. (all ranks) ``write_data(plan, planner)``: ``prepare_write_data``, then one
+       thread per bucket file in this process (accelerator tensors are copied to the
+       host one at a time); returns a completed Future.
     5. (coordinator) ``finish(metadata, results)``: ``.metadata``, last and atomically.
 
     Asynchronous use (Megatron-Core style, e.g. with an ``AsyncRequest``):
@@ -565,8 +234,18 @@ class FileSystemWriterAsync(StorageWriter):
             self.path = os.fspath(checkpoint_id)
             self.fs = filesystem_for(self.path)
         self.save_id = _new_uuid()
+        self.close()
         self._buckets = None
         self._write_results = None
+
+    def close(self) -> None:
+        """Release the default results channel (its temporary directory), if any.
+
+        ``retrieve_write_results`` does this too; call it when a save is abandoned.
+        """
+        if isinstance(self._results_queue, FileResultsQueue):
+            self._results_queue.close()
+        self._results_queue = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record the role. DCP passes ``rank`` and ``use_collectives`` by keyword (it
@@ -624,7 +303,8 @@ class FileSystemWriterAsync(StorageWriter):
         """Write all items of ``plan`` in this process; a completed Future of the results."""
         self.prepare_write_data(plan, planner)
         assert self._buckets is not None  # set by prepare_write_data
-        stage_buckets_to_host(self._buckets)
+        # No bulk staging here: each writer thread copies its tensors to the host one
+        # at a time, so host memory stays bounded (as with torch's FileSystemWriter).
         outcome = write_buckets_threaded(
             self._rank_or_default(), self._buckets, self.fs, self.sync_files
         )
@@ -770,9 +450,7 @@ class FileSystemWriterAsync(StorageWriter):
                 f"function did not run or its process died before reporting"
             ) from None
         finally:
-            if isinstance(self._results_queue, FileResultsQueue):
-                self._results_queue.close()
-            self._results_queue = None
+            self.close()
         self._write_results = self._check_outcome(outcome)
         return self._write_results
 
@@ -823,17 +501,9 @@ def _new_uuid() -> str:
 
 
 __all__ = [
-    "FileResultsQueue",
     "FileSystemWriterAsync",
-    "ResultsQueue",
-    "WriteBucket",
-    "WriteOutcome",
     "item_size",
     "plan_buckets",
     "split_by_size",
-    "stage_buckets_to_host",
     "storage_data_from_results",
-    "write_bucket_file",
-    "write_buckets_multiproc",
-    "write_buckets_threaded",
 ]

@@ -19,8 +19,9 @@ from ..errors import UnsupportedFeatureError
 
 logger = logging.getLogger(__name__)
 
-# Buffer of files opened for writing: large writes bypass it, small items coalesce.
-WRITE_BUFFER_BYTES = 4 << 20
+# Buffer of files opened for writing: small items coalesce in it; writes larger than it
+# go straight to the file (Python's BufferedWriter copies only writes that fit).
+WRITE_BUFFER_BYTES = 256 << 10
 
 
 class ReadStream(Protocol):

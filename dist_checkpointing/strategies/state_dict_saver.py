@@ -140,7 +140,8 @@ def save_state_dict_async_plan(
     group = _Group(process_group, coordinator_rank)
 
     def local_step() -> SavePlan:
-        storage_writer.set_up_storage_writer(group.is_coordinator)
+        # Files are named by the rank within the group (``__<rank>_<n>.distcp``).
+        storage_writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
         planner.set_up_planner(state_dict, storage_writer.storage_meta(), group.is_coordinator)
         return storage_writer.prepare_local_plan(planner.create_local_plan())
 

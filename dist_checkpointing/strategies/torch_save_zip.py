@@ -1,19 +1,27 @@
 """The ``torch.save`` zip of one tensor: a fast writer and a fast parser.
 
 DCP stores every tensor item as a complete ``torch.save`` archive of the chunk.
-``torch.save`` has a high fixed cost per call and computes CRC-32 slowly, so
-:func:`write_tensor` writes the same archive itself, byte for byte: records
-``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``, ``data/0``
-(64-byte aligned), ``version``, ``.data/serialization_id``, then the central
-directory and zip64 end records. On first use per dtype it compares its output with
-``torch.save``'s; any difference (another torch version, another storage alignment)
-disables it for that dtype and ``torch.save`` is used instead, as it is for tensors
-it does not handle (non-plain, non-contiguous, or archives of 4 GiB or more).
+``torch.save`` has a high fixed cost per call, so :func:`write_tensor` writes the same
+archive itself, byte for byte: records ``data.pkl``, ``.format_version``,
+``.storage_alignment``, ``byteorder``, ``data/0`` (64-byte aligned), ``version``,
+``.data/serialization_id``, then the central directory and zip64 end records. The
+layout for a given ``data.pkl`` is computed once (:class:`_Template`); per tensor only
+the CRC-32 of its bytes (computed unless ``torch.serialization.set_crc32_options(False)``,
+in a second thread when cores are spare) and the serialization id derived from it
+change. On first use per dtype the output is compared with ``torch.save``'s; any
+difference (another torch version, another storage alignment) disables the fast writer
+for that dtype, and ``torch.save`` is used, as it is for tensors the fast writer does not
+handle (subclasses, non-contiguous, views, archives of 4 GiB or more).
 
 :func:`parse_tensor_item` locates the tensor bytes of such an archive and reads its
-dtype, shape and strides with a restricted unpickler, so a reader can copy exactly
-the bytes it needs. It raises :class:`NotFastPath` for anything unexpected; the
-caller then falls back to ``torch.load``.
+dtype, shape and storage offset with a restricted unpickler, so a reader can copy
+exactly the bytes it needs. An archive laid out exactly like ``torch.save``'s is
+recognized by comparing it with the template; others are parsed through their zip
+directory. It raises :class:`NotFastPath` for anything unexpected; the caller then
+falls back to ``torch.load``.
+
+Note: ``torch.load`` does not verify these CRC-32 values; they exist for byte-identity
+with ``torch.save`` and for external integrity checks.
 """
 
 from __future__ import annotations
@@ -23,10 +31,11 @@ import ctypes
 import functools
 import io
 import logging
+import os
 import pickle
 import struct
 import sys
-import zipfile
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,8 +55,14 @@ _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
 # Archives up to this size need no zip64 fields in local/central headers.
 _MAX_FAST_BYTES = _U32 - (1 << 20)
-# Large tensors are checksummed and written in pieces of this size.
+# Large tensors are written in pieces of this size while another thread checksums
+# them (from _PARALLEL_CRC_BYTES on, given spare cores) ...
 _CHUNK_BYTES = 64 << 20
+_PARALLEL_CRC_BYTES = 8 << 20
+# ... or else checksummed and written piece by piece, each piece small enough to stay
+# in the CPU cache between the two passes, and larger than the write buffer of
+# fs_io.LocalFileSystem (so that it is not copied into that buffer).
+_CACHE_CHUNK_BYTES = 1 << 20
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _DESCRIPTOR = struct.Struct("<IIII")
@@ -74,25 +89,56 @@ def _itemsize(dtype: torch.dtype) -> int:
 def write_tensor(stream: BinaryIO, tensor: torch.Tensor) -> int:
     """Write ``torch.save(tensor)`` to ``stream``; return the number of bytes written.
 
-    ``tensor`` must be on the CPU. The bytes equal ``torch.save``'s output.
+    ``tensor`` must be on the CPU. The bytes equal ``torch.save``'s output, also with
+    ``torch.serialization.set_crc32_options(False)`` (then no checksums are computed).
     """
-    if not _fast_path_applies(tensor):
+    compute_crc = torch.serialization.get_crc32_options()
+    if not _fast_path_applies(tensor, compute_crc):
         start = stream.tell()
         torch.save(tensor, stream)
         return stream.tell() - start
     data = _byte_view(tensor)
-    template = _template(
-        _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())), len(data)
-    )
+    pickled = _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+    template = _template(pickled, len(data), compute_crc)
     stream.write(template.head)
-    crc = 0
-    for start in range(0, len(data), _CHUNK_BYTES):
-        piece = data[start : start + _CHUNK_BYTES]
-        crc = zlib.crc32(piece, crc)
-        stream.write(piece)
+    if not compute_crc:
+        crc = 0
+        stream.write(data)
+    elif len(data) >= _PARALLEL_CRC_BYTES and _spare_cores():
+        crc = _write_with_parallel_crc(stream, data)
+    else:
+        crc = 0
+        for start in range(0, len(data), _CACHE_CHUNK_BYTES):
+            # Checksum a piece, then write it while it is still in the CPU cache.
+            piece = data[start : start + _CACHE_CHUNK_BYTES]
+            crc = zlib.crc32(piece, crc)
+            stream.write(piece)
     tail = template.tail(crc)
     stream.write(tail)
     return len(template.head) + len(data) + len(tail)
+
+
+@functools.cache
+def _spare_cores() -> bool:
+    """Whether this process may use enough cores to checksum in a separate thread."""
+    try:
+        return len(os.sched_getaffinity(0)) >= 4
+    except AttributeError:  # platforms without sched_getaffinity
+        return (os.cpu_count() or 1) >= 4
+
+
+def _write_with_parallel_crc(stream: BinaryIO, data: memoryview | bytes) -> int:
+    """Write ``data`` in pieces while another thread computes its CRC-32 (both release
+    the GIL), so the checksum costs no extra time when writing is the bottleneck."""
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(zlib.crc32(data)), daemon=True)
+    worker.start()
+    try:
+        for start in range(0, len(data), _CHUNK_BYTES):
+            stream.write(data[start : start + _CHUNK_BYTES])
+    finally:
+        worker.join()
+    return result[0]
 
 
 def serialize_tensor(tensor: torch.Tensor) -> bytes:
@@ -102,7 +148,7 @@ def serialize_tensor(tensor: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def _fast_path_applies(t: torch.Tensor) -> bool:
+def _fast_path_applies(t: torch.Tensor, compute_crc: bool) -> bool:
     # Cheapest checks first: this runs once per item.
     if type(t) is not torch.Tensor or t.layout != torch.strided or not t.is_cpu:
         return False
@@ -114,7 +160,7 @@ def _fast_path_applies(t: torch.Tensor) -> bool:
         and t.untyped_storage().nbytes() == nbytes
         and not t.is_conj()
         and not t.is_neg()
-        and fast_path_supported(t.dtype)
+        and fast_path_supported(t.dtype, compute_crc)
     )
 
 
@@ -157,10 +203,10 @@ def _central(name: bytes, offset: int, crc: int, size: int) -> bytes:
     return _CENTRAL.pack(*fields, 0, 0, 0, 0, 0, offset) + name
 
 
-def _record(offset: int, name: str, payload: bytes) -> tuple[bytes, bytes, int]:
+def _record(offset: int, name: str, payload: bytes, compute_crc: bool) -> tuple[bytes, bytes, int]:
     """(local header + payload + descriptor, central entry, crc) of a small record."""
     full = (_ARCHIVE + name).encode()
-    crc = zlib.crc32(payload)
+    crc = zlib.crc32(payload) if compute_crc else 0
     local = _local_header(offset, full, len(payload)) + payload + _descriptor(crc, len(payload))
     return local, _central(full, offset, crc, len(payload)), crc
 
@@ -180,12 +226,13 @@ class _Template:
     sid_at: int  # where the 40-digit serialization id sits in the tail
     sid_crc_at: tuple[int, int]  # its crc in its data descriptor and central entry
     data_crc_at: tuple[int, ...]  # the tensor bytes' crc in the descriptor and central entry
+    compute_crc: bool  # False: every crc is 0 (torch.serialization.set_crc32_options)
 
     def tail(self, crc: int) -> bytes:
         combined = _hash_combine(self.seed, crc) if self.nbytes else self.seed
         combined = _hash_combine(combined, self.version_crc)
         sid = self.name_hash + b"%020d" % combined
-        sid_crc = zlib.crc32(sid)
+        sid_crc = zlib.crc32(sid) if self.compute_crc else 0
         out = bytearray(self.tail_bytes)
         out[self.sid_at : self.sid_at + len(sid)] = sid
         for at in self.data_crc_at:
@@ -201,7 +248,7 @@ _DESCRIPTOR_CRC_AT = 4
 
 
 @functools.lru_cache(maxsize=4096)
-def _template(pickled: bytes, nbytes: int) -> _Template:
+def _template(pickled: bytes, nbytes: int, compute_crc: bool = True) -> _Template:
     name_hash = _record_name_hash()
     if name_hash is None:
         raise RuntimeError("the fast torch.save writer is disabled")  # see fast_path_supported
@@ -209,7 +256,7 @@ def _template(pickled: bytes, nbytes: int) -> _Template:
     central = bytearray()
     seed = 0
     for name, payload in (("data.pkl", pickled), *_BEFORE_DATA):
-        local, entry, crc = _record(len(head), name, payload)
+        local, entry, crc = _record(len(head), name, payload, compute_crc)
         head += local
         central += entry
         seed = _hash_combine(seed, crc)
@@ -220,7 +267,9 @@ def _template(pickled: bytes, nbytes: int) -> _Template:
 
     tail = bytearray(_descriptor(0, nbytes))
     data_crc_at = [_DESCRIPTOR_CRC_AT] if nbytes else []
-    version_record, central_version, version_crc = _record(tail_start + len(tail), *_VERSION)
+    version_record, central_version, version_crc = _record(
+        tail_start + len(tail), *_VERSION, compute_crc
+    )
     tail += version_record
     sid_name = (_ARCHIVE + _SERIALIZATION_ID).encode()
     sid_offset = tail_start + len(tail)
@@ -252,6 +301,7 @@ def _template(pickled: bytes, nbytes: int) -> _Template:
         sid_at=sid_at,
         sid_crc_at=(sid_crc_at[0], sid_crc_at[1]),
         data_crc_at=tuple(data_crc_at),
+        compute_crc=compute_crc,
     )
 
 
@@ -310,8 +360,15 @@ def _record_name_hash() -> str | None:
     try:
         buf = io.BytesIO()
         torch.save(torch.zeros(1), buf)
-        with zipfile.ZipFile(buf) as zf:
-            sid = zf.read(_ARCHIVE + _SERIALIZATION_ID).decode()
+        data = buf.getvalue()
+
+        def read_at(offset: int, n: int) -> bytes:
+            return data[offset : offset + n]
+
+        # Our own zip walk: zipfile would reject the zero crcs of set_crc32_options(False).
+        record = _central_directory(read_at, len(data))[(_ARCHIVE + _SERIALIZATION_ID).encode()]
+        start = _data_start(read_at, record, len(data))
+        sid = data[start : start + record[3]].decode()
         return sid[:20] if len(sid) == 40 and sid.isdigit() else None
     except Exception as exc:  # noqa: BLE001 - the fast path is an optimization
         logger.warning("cannot learn torch.save's serialization id layout: %s", exc)
@@ -319,10 +376,11 @@ def _record_name_hash() -> str | None:
 
 
 @functools.cache
-def fast_path_supported(dtype: torch.dtype) -> bool:
-    """Whether the fast writer reproduces ``torch.save`` exactly for ``dtype``.
+def fast_path_supported(dtype: torch.dtype, compute_crc: bool = True) -> bool:
+    """Whether the fast writer reproduces ``torch.save`` exactly for ``dtype`` (with
+    torch's crc32 option set to ``compute_crc``, as it must be when this is called).
 
-    Probed once per dtype and process (an empty and a 2x3 tensor), and cached.
+    Probed once per dtype, option and process (an empty and a 2x3 tensor), and cached.
     """
     if _record_name_hash() is None:
         return False
@@ -336,8 +394,10 @@ def fast_path_supported(dtype: torch.dtype) -> bool:
             expected = io.BytesIO()
             torch.save(probe, expected)
             data = _byte_view(probe)
-            template = _template(_tensor_pickle(dtype, shape, probe.stride()), len(data))
-            ours = template.head + bytes(data) + template.tail(zlib.crc32(data))
+            pickled = _tensor_pickle(dtype, shape, probe.stride())
+            template = _template(pickled, len(data), compute_crc)
+            crc = zlib.crc32(data) if compute_crc else 0
+            ours = template.head + bytes(data) + template.tail(crc)
             if ours != expected.getvalue():
                 logger.warning(
                     "fast torch.save writer disabled for %s: its output differs from "
@@ -493,6 +553,69 @@ def parse_tensor_item(read_at: ReadAt, length: int) -> TensorRecord:
     ``read_at(offset, n)`` returns ``n`` bytes of the item starting at ``offset``
     (and raises on a short read). Raises :class:`NotFastPath` for anything unexpected.
     """
+    record = _match_template(read_at, length)
+    return record if record is not None else _parse_zip(read_at, length)
+
+
+def _storage_bytes(spec: _TensorSpec) -> int:
+    return spec.storage.numel * (_itemsize(spec.dtype) if spec.storage.dtype is not None else 1)
+
+
+def _make_record(spec: _TensorSpec, data_offset: int, data_length: int) -> TensorRecord:
+    numel = 1
+    for s in spec.shape:
+        numel *= s
+    if (
+        _storage_bytes(spec) != data_length
+        or (spec.storage_offset + numel) * _itemsize(spec.dtype) > data_length
+    ):
+        raise NotFastPath("storage size does not match the tensor")
+    return TensorRecord(spec.dtype, spec.shape, spec.storage_offset, data_offset, data_length)
+
+
+_PKL_NAME = (_ARCHIVE + "data.pkl").encode()
+_HEAD_BYTES = 4096
+
+
+def _match_template(read_at: ReadAt, length: int) -> TensorRecord | None:
+    """The record of an item laid out exactly as ``torch.save`` lays out its ``data.pkl``
+    (the common case: any bytes except the tensor data, crcs and id would differ), or
+    None. Much cheaper than walking the zip directory."""
+    if _NATIVE_ORDER != b"little":  # the template says "little"
+        return None
+    head = read_at(0, min(length, _HEAD_BYTES))
+    if len(head) < _LOCAL.size + len(_PKL_NAME) or bytes(head[30:46]) != _PKL_NAME:
+        return None
+    start = _LOCAL.size + len(_PKL_NAME) + _LOCAL.unpack_from(head)[10]
+    end = bytes(head[start:]).find(b"PK\x07\x08")
+    if end <= 0 or _record_name_hash() is None:
+        return None
+    pickled = bytes(head[start : start + end])
+    try:
+        spec = _tensor_spec(pickled)
+    except NotFastPath:
+        return None
+    if spec.storage.key != "0":
+        return None
+    nbytes = _storage_bytes(spec)
+    template = _template(pickled, nbytes)
+    tail_len = len(template.tail_bytes)
+    if (
+        length != len(template.head) + nbytes + tail_len
+        or bytes(head[: len(template.head)]) != template.head
+    ):
+        return None
+    tail = bytearray(read_at(length - tail_len, tail_len))
+    tail[template.sid_at : template.sid_at + 40] = bytes(40)
+    for at in (*template.data_crc_at, *template.sid_crc_at):
+        tail[at : at + 4] = bytes(4)
+    if tail != template.tail_bytes:
+        return None
+    return _make_record(spec, len(template.head), nbytes)
+
+
+def _parse_zip(read_at: ReadAt, length: int) -> TensorRecord:
+    """Walk the zip directory: handles any layout of a one-tensor archive."""
     records = _central_directory(read_at, length)
     pkl_name = next((n for n in records if n.endswith(b"/data.pkl")), None)
     if pkl_name is None:
@@ -509,20 +632,7 @@ def parse_tensor_item(read_at: ReadAt, length: int) -> TensorRecord:
     data = records.get(prefix + b"data/" + spec.storage.key.encode())
     if data is None:
         raise NotFastPath(f"storage record data/{spec.storage.key} missing")
-    itemsize = _itemsize(spec.dtype)
-    storage_bytes = spec.storage.numel * (itemsize if spec.storage.dtype is not None else 1)
-    numel = 1
-    for s in spec.shape:
-        numel *= s
-    if storage_bytes != data[3] or (spec.storage_offset + numel) * itemsize > data[3]:
-        raise NotFastPath("storage size does not match the tensor")
-    return TensorRecord(
-        dtype=spec.dtype,
-        shape=spec.shape,
-        storage_offset=spec.storage_offset,
-        data_offset=_data_start(read_at, data, length),
-        data_length=data[3],
-    )
+    return _make_record(spec, _data_start(read_at, data, length), data[3])
 
 
 def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:

@@ -177,6 +177,17 @@ def sharded_tensor_to_torch_sharded_tensor(
         raise MappingError(f"ShardedTensor '{first.key}': a regular grid needs axis_fragmentations")
     world = dist.get_world_size() if dist.is_initialized() else 1
     other = (rank + 1) % max(world, 2)
+    needs_placeholders = any(
+        sh.flattened_range is not None
+        and (sh.flattened_range.start > 0 or sh.flattened_range.stop < math.prod(block_shape(sh)))
+        for sh in sh_tens
+    ) or math.prod(first.axis_fragmentations) > len({tuple(s.global_offset) for s in sh_tens})
+    if needs_placeholders and world < 2:
+        raise MappingError(
+            f"ShardedTensor '{first.key}': this rank holds only part of the tensor, and a "
+            "PyTorch ShardedTensor can describe the other parts only on another rank "
+            f"(the process group has {world} rank)"
+        )
     legacy_1d = load_legacy_1d_flatten_tensors and len(first.global_shape) == 1
     local_shards, shards_md = [], []
     local_blocks: dict[tuple[int, ...], list[ShardedTensor]] = defaultdict(list)

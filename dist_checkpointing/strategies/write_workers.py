@@ -1,0 +1,386 @@
+"""Writing buckets of checkpoint items to files: in threads, or in worker processes.
+
+The write side of :class:`~.filesystem_async.FileSystemWriterAsync`, kept apart from
+the DCP protocol: a :class:`WriteBucket` is the resolved content of one data file;
+:func:`write_bucket_file` writes one (the single implementation of the item format,
+shared by every path); :func:`write_buckets_threaded` writes several in threads of
+this process, :func:`write_buckets_multiproc` in one forked process each, reporting a
+:class:`WriteOutcome` through a results queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import logging
+import os
+import pickle
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .._torch_compat import StorageInfo
+from . import torch_save_zip
+from .fs_io import FileSystemIO, filesystem_for
+
+logger = logging.getLogger(__name__)
+
+
+class ResultsQueue(Protocol):
+    """What the write function needs to hand its outcome back (a queue-like object)."""
+
+    def put(self, obj: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+
+@dataclass
+class WriteBucket:
+    """The items of one data file, resolved and ready to write.
+
+    ``tensor_items`` hold CPU tensors after staging (accelerator tensors before it).
+    Instances are plain picklable data, so a bucket can travel to a worker process.
+    """
+
+    path: str  # where to write the file
+    relative_path: str  # the file name recorded in the metadata
+    byte_items: list[tuple[WriteItem, Any]] = field(default_factory=list)  # (item, BytesIO)
+    tensor_items: list[tuple[WriteItem, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class WriteOutcome:
+    """What the write function reports for one rank: per-bucket results or errors."""
+
+    rank: int
+    results: dict[int, list[WriteResult]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def stage_buckets_to_host(buckets: list[WriteBucket]) -> list[WriteBucket]:
+    """Copy accelerator tensors of ``buckets`` to host memory, in place.
+
+    Copies go to pinned memory with ``non_blocking`` and each device is synchronized
+    once at the end. Returns ``buckets`` itself (the same list, now holding host
+    tensors), so a caller may either use the return value or ignore it.
+    """
+    devices: set[torch.device] = set()
+    for bucket in buckets:
+        for i, (item, t) in enumerate(bucket.tensor_items):
+            if t.device.type == "cpu":
+                continue
+            host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            bucket.tensor_items[i] = (item, host)
+            devices.add(t.device)
+    for device in devices:
+        torch.accelerator.synchronize(device)
+    return buckets
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -> list[WriteResult]:
+    """Write one bucket's items to its file; return one WriteResult per item.
+
+    Bytes items come first, then tensors; accelerator tensors are copied to the host
+    one at a time. Raises ``OSError`` on I/O failure.
+    """
+    results: list[WriteResult] = []
+    with fs.open_write(bucket.path) as stream:
+        offset = 0
+        for item, data in bucket.byte_items:
+            length = stream.write(data.getbuffer())
+            results.append(_result(item, bucket.relative_path, offset, length))
+            offset += length
+        for item, tensor in bucket.tensor_items:
+            if not tensor.is_cpu:
+                # Unstaged (synchronous path): one copy at a time bounds host memory.
+                # Never happens in forked workers: the async path stages first.
+                tensor = tensor.cpu()
+            length = torch_save_zip.write_tensor(stream, tensor)
+            results.append(_result(item, bucket.relative_path, offset, length))
+            offset += length
+        if sync_files:
+            fs.fsync(stream)
+    return results
+
+
+def _result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=length,
+        storage_data=StorageInfo(relative_path, offset, length),
+    )
+
+
+_ERRNO_HINTS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EFBIG: "the file size limit (RLIMIT_FSIZE) or the filesystem's maximum file size "
+    "was reached",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOENT: "the checkpoint directory does not exist (removed during the save?)",
+    errno.EROFS: "the filesystem is read-only",
+}
+
+
+def _failure_text(exc: BaseException) -> str:
+    """A one-line cause for an error message, with a hint for common OS errors."""
+    text = f"{type(exc).__name__}: {exc}"
+    hint = _ERRNO_HINTS.get(getattr(exc, "errno", None) or -1)
+    return f"{text} ({hint})" if hint else text
+
+
+def _traceback_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+
+
+def _write_error(rank: int, bucket: WriteBucket, cause: str) -> str:
+    return f"rank {rank}: writing checkpoint file {bucket.path} failed: {cause}"
+
+
+def _record_failure(
+    outcome: WriteOutcome, idx: int, bucket: WriteBucket, cause: str, tb: str | None
+) -> None:
+    outcome.errors[idx] = _write_error(outcome.rank, bucket, cause)
+    if tb:
+        logger.error("%s\n%s", outcome.errors[idx], tb)
+
+
+def write_buckets_threaded(
+    rank: int, buckets: list[WriteBucket], fs: FileSystemIO, sync_files: bool
+) -> WriteOutcome:
+    """Write each bucket in its own thread of this process (the first in this thread)."""
+    outcome = WriteOutcome(rank)
+
+    def run(idx: int) -> None:
+        try:
+            outcome.results[idx] = write_bucket_file(buckets[idx], fs, sync_files)
+        except Exception as exc:  # noqa: BLE001 - reported through the outcome
+            _record_failure(outcome, idx, buckets[idx], _failure_text(exc), _traceback_text(exc))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(buckets))]
+    for t in threads:
+        t.start()
+    if buckets:
+        run(0)
+    for t in threads:
+        t.join()
+    return outcome
+
+
+@contextmanager
+def _gc_disabled() -> Iterator[None]:
+    # A collection in a forked process may free objects inherited from the parent
+    # (e.g. CUDA tensors) whose teardown is only valid in the parent.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _bucket_worker(
+    rank: int, bucket: WriteBucket, fs: FileSystemIO, sync_files: bool, conn: Any
+) -> None:
+    """Entry point of a per-bucket worker process: write, then send results or error text."""
+    gc.disable()
+    # Exceeding RLIMIT_FSIZE then fails the write with EFBIG (a clear error)
+    # instead of killing this process with SIGXFSZ.
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        message: tuple[Any, ...] = ("ok", write_bucket_file(bucket, fs, sync_files))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        message = ("error", _failure_text(exc), _traceback_text(exc))
+    conn.send(message)
+    conn.close()
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "did not exit"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = str(-exitcode)
+        hint = " (file size limit exceeded)" if name == "SIGXFSZ" else ""
+        return f"was killed by signal {name}{hint}"
+    return f"exited with code {exitcode}"
+
+
+def _worker_context() -> Any:
+    import multiprocessing
+
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def _run_bucket_workers(
+    rank: int, buckets: list[WriteBucket], fs: FileSystemIO, sync_files: bool
+) -> WriteOutcome:
+    """Fork one worker per bucket; collect each one's results, error or death."""
+    from multiprocessing.connection import wait
+
+    ctx = _worker_context()
+    outcome = WriteOutcome(rank)
+    pending: dict[Any, tuple[int, Any, Any]] = {}  # sentinel -> (idx, process, reader)
+    for idx, bucket in enumerate(buckets):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_bucket_worker,
+            args=(rank, bucket, fs, sync_files, writer),
+            name=f"dist-ckpt-writer-r{rank}-b{idx}",
+            daemon=True,
+        )
+        try:
+            proc.start()
+        except Exception as exc:  # noqa: BLE001 - reported through the outcome
+            _record_failure(outcome, idx, bucket, f"cannot start worker: {exc}", None)
+            reader.close()
+            continue
+        finally:
+            writer.close()
+        pending[proc.sentinel] = (idx, proc, reader)
+    messages: dict[int, Any] = {}
+    while pending:
+        # Results arrive on the readers; a sentinel fires when a worker exits. A
+        # worker killed before sending leaves only its sentinel: no hang.
+        readers = [r for i, _, r in pending.values() if i not in messages and not r.closed]
+        ready = set(wait(list(pending) + readers))
+        for sentinel, (idx, proc, reader) in list(pending.items()):
+            if reader in ready:
+                try:
+                    messages[idx] = reader.recv()
+                except (EOFError, OSError):  # closed without a message: it is dying
+                    reader.close()
+            if sentinel in ready:
+                if idx not in messages and not reader.closed and reader.poll():
+                    with contextlib.suppress(EOFError, OSError):
+                        messages[idx] = reader.recv()  # sent just before exiting
+                proc.join()
+                reader.close()
+                del pending[sentinel]
+                _record_message(outcome, idx, buckets[idx], proc, messages.get(idx))
+    return outcome
+
+
+def _record_message(
+    outcome: WriteOutcome, idx: int, bucket: WriteBucket, proc: Any, message: Any
+) -> None:
+    if message is not None and message[0] == "ok":
+        outcome.results[idx] = message[1]
+    elif message is not None:
+        _record_failure(outcome, idx, bucket, message[1], message[2])
+    else:
+        cause = f"worker process {proc.pid} {_describe_exit(proc.exitcode)} without reporting"
+        _record_failure(outcome, idx, bucket, cause, None)
+
+
+def write_buckets_multiproc(
+    rank: int, buckets: list[WriteBucket], results_queue: ResultsQueue, sync_files: bool = True
+) -> None:
+    """Write ``buckets`` (staged to host) and put a :class:`WriteOutcome` into ``results_queue``.
+
+    The write function of :meth:`FileSystemWriterAsync.get_save_function_and_args`;
+    module-level and taking plain arguments, so it runs in a worker process. One
+    bucket is written in this process; several are written by one forked process
+    each (``fork`` where available: this function usually runs in a process that
+    was itself forked from the trainer, and forking avoids re-importing it; the
+    buckets need not be pickled). A worker that raises reports its traceback; one
+    that dies is detected from its exit code. Never raises for write failures:
+    they go into the outcome, and :meth:`FileSystemWriterAsync.retrieve_write_results`
+    raises them.
+    """
+    import multiprocessing
+
+    fs = filesystem_for(os.path.dirname(buckets[0].path) if buckets else ".")
+    with _gc_disabled():
+        if multiprocessing.current_process().daemon and len(buckets) > 1:
+            # A daemonic process may not start children: write with threads instead.
+            outcome = write_buckets_threaded(rank, buckets, fs, sync_files)
+        elif len(buckets) == 1:
+            try:
+                outcome = WriteOutcome(rank, {0: write_bucket_file(buckets[0], fs, sync_files)})
+            except Exception as exc:  # noqa: BLE001 - reported through the outcome
+                outcome = WriteOutcome(rank)
+                _record_failure(outcome, 0, buckets[0], _failure_text(exc), _traceback_text(exc))
+        else:
+            outcome = _run_bucket_workers(rank, buckets, fs, sync_files)
+    results_queue.put(outcome)
+
+
+# --------------------------------------------------------------------------- results channel
+
+
+class FileResultsQueue:
+    """A one-shot results channel backed by a private temporary file.
+
+    ``put`` (any process, once) writes the pickled object atomically; ``get`` (the
+    creating process) reads and deletes it. Unlike a ``multiprocessing.Queue`` it
+    never blocks the producer (a process holding unread queue data cannot exit),
+    needs no manager process, and pickles as its path, so it reaches forked and
+    spawned workers alike. :meth:`close` removes the directory.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.directory = tempfile.mkdtemp(prefix=f"dist_ckpt_results_r{rank}_")
+        self.path = os.path.join(self.directory, "outcome.pkl")
+
+    def put(self, obj: Any) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, self.path)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """Return the object put, waiting up to ``timeout`` seconds; ``queue.Empty`` if none."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while not os.path.exists(self.path):
+            if not block or (deadline is not None and time.monotonic() >= deadline):
+                raise queue.Empty
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        with open(self.path, "rb") as f:
+            obj = pickle.load(f)  # our own file in a private (0700) directory
+        os.remove(self.path)
+        return obj
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+__all__ = [
+    "FileResultsQueue",
+    "ResultsQueue",
+    "WriteBucket",
+    "WriteOutcome",
+    "stage_buckets_to_host",
+    "write_bucket_file",
+    "write_buckets_multiproc",
+    "write_buckets_threaded",
+]
