@@ -9,6 +9,7 @@ parameters 0.16-0.19 added (``async_strategy``, ``verify_integrity``,
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,7 @@ from .strategies.base import (
     get_default_strategy,
 )
 from .strategies.fs_io import filesystem_for
+from .utils import gc_paused
 from .validation import (
     StrictHandling,
     apply_strict_handling,
@@ -184,6 +186,7 @@ def _filter_out_empty_flat(sharded_part: dict | list) -> dict | list:
 
 ProcessGroup = dist.ProcessGroup | None
 _S = TypeVar("_S")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _rank(group: ProcessGroup = None) -> int:
@@ -357,6 +360,18 @@ def _commit(
 # --------------------------------------------------------------------------- save
 
 
+def _gc_paused_call(fn: _F) -> _F:
+    """Run ``fn`` with the cyclic GC paused (see :func:`utils.gc_paused`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with gc_paused():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@_gc_paused_call
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str | Path,
@@ -521,6 +536,7 @@ def _files_read_by(checkpoint_dir: str | Path, keys: set[str]) -> set[str]:
     }
 
 
+@_gc_paused_call
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str | Path,

@@ -92,7 +92,8 @@ class FileSystemReader(StorageReader):
         Raises:
             CheckpointNotFoundError: the directory does not exist.
             IncompleteCheckpointError: it has no ``.metadata`` (the save never finished).
-            UnsupportedFeatureError: rank-local metadata was requested (``rank=``).
+            IncompleteCheckpointError: also when DCP asks for rank-local metadata
+                (``rank=``, after the global read failed): not supported.
         """
         if args or kwargs:
             # DCP asks for rank-local metadata (``rank=``) only after the global read failed.

@@ -1,17 +1,18 @@
 """Collective planning and finalization of a DCP save, split for async saves.
 
-``save_state_dict_async_plan`` (every rank of the group, in the calling process):
-    1. the planner makes the local plan; the writer tags it with its file prefix;
-    2. unless every rank's local plan equals the cached one (one all-reduce):
-       the coordinator gathers all local plans, builds the global plan and the
-       metadata, and scatters each rank its part;
-    3. the writer prepares (resolves and buckets) the data to write.
-The caller then runs the writer's write function (in this process, or in the
-background), and afterwards
-``save_state_dict_async_finalize`` (every rank):
-    4. each rank collects its write results; the coordinator gathers them and
-       writes ``.metadata`` (the DCP commit point), then every rank learns the
-       outcome.
+Call sequence, every rank of the group:
+
+1. ``save_state_dict_async_plan`` (in the calling process): the planner makes
+   the local plan and the writer tags it with its file prefix; unless every
+   rank's local plan equals the cached one (one all-reduce decides), the
+   coordinator gathers all local plans, builds the global plan and the
+   metadata, and scatters each rank its part; the writer then prepares
+   (resolves and buckets) the data to write.
+2. The caller runs the writer's write function (in this process, or in the
+   background).
+3. ``save_state_dict_async_finalize``: each rank collects its write results;
+   the coordinator gathers them and writes ``.metadata`` (the DCP commit
+   point); then every rank learns the outcome.
 
 Every step that can fail on one rank turns into an exception on every rank:
 no rank is left waiting in a collective.

@@ -22,8 +22,6 @@ import signal
 import tempfile
 import threading
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +30,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._torch_compat import StorageInfo
+from ..utils import gc_paused
 from . import torch_save_zip
 from .fs_io import FileSystemIO, filesystem_for
 
@@ -187,19 +186,6 @@ def write_buckets_threaded(
     return outcome
 
 
-@contextmanager
-def _gc_disabled() -> Iterator[None]:
-    # A collection in a forked process may free objects inherited from the parent
-    # (e.g. CUDA tensors) whose teardown is only valid in the parent.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _bucket_worker(
     rank: int, bucket: WriteBucket, fs: FileSystemIO, sync_files: bool, conn: Any
 ) -> None:
@@ -316,7 +302,7 @@ def write_buckets_multiproc(
     import multiprocessing
 
     fs = filesystem_for(os.path.dirname(buckets[0].path) if buckets else ".")
-    with _gc_disabled():
+    with gc_paused():
         if multiprocessing.current_process().daemon and len(buckets) > 1:
             # A daemonic process may not start children: write with threads instead.
             outcome = write_buckets_threaded(rank, buckets, fs, sync_files)
