@@ -59,7 +59,7 @@ from .utils import gc_paused
 from .validation import (
     StrictHandling,
     apply_strict_handling,
-    determine_global_metadata,
+    gather_shard_records,
     local_metadata_of,
     parse_strict_flag,
     raise_on_all_ranks,
@@ -254,7 +254,7 @@ def save_preprocess(
     sharded_part, common_part = extract_matching_values(persistent, _is_sharded)
     sharded_part = _filter_out_empty_flat(sharded_part)
     if validate_access_integrity:
-        _, global_metadata = determine_global_metadata(sharded_part, process_group)  # type: ignore[arg-type]
+        _, global_metadata = gather_shard_records(sharded_part, process_group)  # type: ignore[arg-type]
         validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
         to_check = common_part
         if preprocess_common_before_consistancy_check is not None:
@@ -592,11 +592,10 @@ def load(
     ckpt_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_metadata = load_sharded_metadata(checkpoint_dir, sharded_strategy, common_strategy)
-    local_metadata, global_metadata = local_metadata_of(sharded_state_dict), None
+    local_metadata: list[Any] = local_metadata_of(sharded_state_dict)
+    global_metadata: list[list[Any]] | None = None
     if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
-        local_metadata, global_metadata = determine_global_metadata(
-            sharded_state_dict, process_group
-        )
+        local_metadata, global_metadata = gather_shard_records(sharded_state_dict, process_group)
     missing: set[str] = set()
     unexpected: set[str] = set()
     error: Exception | None = None

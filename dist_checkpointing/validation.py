@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,7 +33,8 @@ from .mapping import (
 logger = logging.getLogger(__name__)
 
 LocalMetadata = list[ShardedBase]
-GlobalMetadata = list[LocalMetadata]
+# Per rank, the ShardedBase leaves or their ShardRecords (the checks accept both).
+GlobalMetadata = list[list]
 CkptShardedMetadata = dict[str, ShardedBase]
 
 # Above this many elements a key's coverage error is described by volume only
@@ -112,8 +114,48 @@ class _Block:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offset, self.shape)) + "]"
 
 
-def _chunk_shape(sh: ShardedTensor) -> tuple[int, ...]:
-    return (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+class ShardRecord(NamedTuple):
+    """What the sharding and key checks need of one ShardedBase: small and cheap to
+    gather across ranks (plain tuples pickle far faster than dataclasses)."""
+
+    key: str
+    is_tensor: bool
+    dtype: str  # "" for objects
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    chunk_shape: tuple[int, ...]  # the block in global coordinates; () for objects
+    flat: tuple[int, int] | None  # the flattened range, if any
+    is_main: bool
+
+
+def shard_record(sh: ShardedBase | ShardRecord) -> ShardRecord:
+    """The :class:`ShardRecord` of a ShardedTensor or ShardedObject."""
+    if isinstance(sh, ShardRecord):
+        return sh
+    if isinstance(sh, ShardedTensor):
+        fr = sh.flattened_range
+        return ShardRecord(
+            sh.key,
+            True,
+            str(sh.dtype),
+            tuple(sh.global_shape),
+            tuple(sh.global_offset),
+            (1,) * sh.prepend_axis_num + tuple(sh.local_shape),
+            None if fr is None else (fr.start, fr.stop),
+            is_main_replica(sh.replica_id),
+        )
+    if isinstance(sh, ShardedObject):
+        return ShardRecord(
+            sh.key,
+            False,
+            "",
+            tuple(sh.global_shape),
+            tuple(sh.global_offset),
+            (),
+            None,
+            is_main_replica(sh.replica_id),
+        )
+    raise TypeError(f"expected a ShardedTensor or ShardedObject, got {type(sh).__name__}")
 
 
 def _intersection(a: _Block, b: _Block) -> _Block | None:
@@ -170,36 +212,34 @@ def _gap_description(global_shape: tuple[int, ...], blocks: list[_Block]) -> str
     return f"{len(missing)} of {numel} elements are not covered (within region {region})"
 
 
-def _flat_blocks(
-    key: str, shards: list[tuple[int, ShardedTensor]]
-) -> tuple[list[_Block], list[str]]:
+def _flat_blocks(key: str, shards: list[tuple[int, ShardRecord]]) -> tuple[list[_Block], list[str]]:
     """Group flat main replicas by block; each block's flat ranges must tile it exactly."""
     problems: list[str] = []
-    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, slice]]] = defaultdict(
-        list
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, tuple[int, int]]]] = (
+        defaultdict(list)
     )
     for rank, sh in shards:
-        assert sh.flattened_range is not None  # only flat shards are passed here
-        groups[(tuple(sh.global_offset), _chunk_shape(sh))].append((rank, sh.flattened_range))
+        assert sh.flat is not None  # only flat shards are passed here
+        groups[(sh.global_offset, sh.chunk_shape)].append((rank, sh.flat))
     blocks = []
     for (offset, shape), ranges in groups.items():
         numel = math.prod(shape)
         block = _Block(ranges[0][0], offset, shape)
         pos = 0
-        for rank, fr in sorted(ranges, key=lambda r: (r[1].start, r[1].stop)):
-            if fr.start == fr.stop:
+        for rank, (start, stop) in sorted(ranges, key=lambda r: r[1]):
+            if start == stop:
                 continue  # an empty range covers nothing and overlaps nothing
-            if fr.start > pos:
+            if start > pos:
                 problems.append(
-                    f"'{key}': flat elements [{pos}, {fr.start}) of block {block.describe()} "
+                    f"'{key}': flat elements [{pos}, {start}) of block {block.describe()} "
                     "are not covered by any rank"
                 )
-            elif fr.start < pos:
+            elif start < pos:
                 problems.append(
-                    f"'{key}': flat range [{fr.start}, {fr.stop}) of rank {rank} overlaps "
+                    f"'{key}': flat range [{start}, {stop}) of rank {rank} overlaps "
                     f"another rank's range in block {block.describe()}"
                 )
-            pos = max(pos, fr.stop)
+            pos = max(pos, stop)
         if pos < numel:
             problems.append(
                 f"'{key}': flat elements [{pos}, {numel}) of block {block.describe()} "
@@ -209,22 +249,18 @@ def _flat_blocks(
     return blocks, problems
 
 
-def _tensor_key_problems(key: str, shards: list[tuple[int, ShardedTensor]]) -> list[str]:
-    shapes = {(tuple(sh.global_shape), sh.dtype) for _, sh in shards}
+def _tensor_key_problems(key: str, shards: list[tuple[int, ShardRecord]]) -> list[str]:
+    shapes = {(sh.global_shape, sh.dtype) for _, sh in shards}
     if len(shapes) > 1:
-        by_rank = sorted({(r, tuple(sh.global_shape), str(sh.dtype)) for r, sh in shards})
+        by_rank = sorted({(r, sh.global_shape, sh.dtype) for r, sh in shards})
         detail = ", ".join(f"rank {r}: {s} {d}" for r, s, d in by_rank)
         return [f"'{key}': ranks disagree on global shape/dtype ({detail})"]
     global_shape = shards[0][1].global_shape
-    main = [(r, sh) for r, sh in shards if is_main_replica(sh.replica_id)]
+    main = [(r, sh) for r, sh in shards if sh.is_main]
     if not main:
         return [f"'{key}': no rank holds a main replica (replica_id 0)"]
-    flat = [(r, sh) for r, sh in main if sh.flattened_range is not None]
-    blocks = [
-        _Block(r, tuple(sh.global_offset), _chunk_shape(sh))
-        for r, sh in main
-        if sh.flattened_range is None
-    ]
+    flat = [(r, sh) for r, sh in main if sh.flat is not None]
+    blocks = [_Block(r, sh.global_offset, sh.chunk_shape) for r, sh in main if sh.flat is None]
     problems: list[str] = []
     if flat:
         flat_blocks, problems = _flat_blocks(key, flat)
@@ -242,14 +278,14 @@ def _tensor_key_problems(key: str, shards: list[tuple[int, ShardedTensor]]) -> l
     return problems
 
 
-def _object_key_problems(key: str, shards: list[tuple[int, ShardedObject]]) -> list[str]:
-    shapes = {tuple(sh.global_shape) for _, sh in shards}
+def _object_key_problems(key: str, shards: list[tuple[int, ShardRecord]]) -> list[str]:
+    shapes = {sh.global_shape for _, sh in shards}
     if len(shapes) > 1:
         return [f"'{key}': ranks disagree on the object grid shape {sorted(shapes)}"]
     owners: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for rank, sh in shards:
-        if is_main_replica(sh.replica_id):
-            owners[tuple(sh.global_offset)].append(rank)
+        if sh.is_main:
+            owners[sh.global_offset].append(rank)
     problems = [
         f"'{key}': shard at offset {off} has {len(ranks)} main replicas (ranks {sorted(ranks)})"
         for off, ranks in sorted(owners.items())
@@ -272,14 +308,14 @@ def sharding_integrity_problems(global_metadata: GlobalMetadata) -> list[str]:
     the main replicas (flat ranges included) cover the global tensor exactly
     once. For each ShardedObject key: one main replica per shard of the grid.
     """
-    tensors: dict[str, list[tuple[int, ShardedTensor]]] = defaultdict(list)
-    objects: dict[str, list[tuple[int, ShardedObject]]] = defaultdict(list)
+    tensors: dict[str, list[tuple[int, ShardRecord]]] = defaultdict(list)
+    objects: dict[str, list[tuple[int, ShardRecord]]] = defaultdict(list)
     for rank, rank_metadata in enumerate(global_metadata):
         for sh in rank_metadata:
-            if isinstance(sh, ShardedTensor):
-                tensors[sh.key].append((rank, sh))
-            elif isinstance(sh, ShardedObject):
-                objects[sh.key].append((rank, sh))
+            if not isinstance(sh, (ShardedTensor, ShardedObject, ShardRecord)):
+                continue
+            rec = shard_record(sh)
+            (tensors if rec.is_tensor else objects)[rec.key].append((rank, rec))
     problems = [
         f"'{key}': used both as a ShardedTensor and as a ShardedObject"
         for key in sorted(tensors.keys() & objects.keys())
@@ -386,6 +422,21 @@ def local_metadata_of(sharded_state_dict: ShardedStateDict) -> LocalMetadata:
     return [
         sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
     ]
+
+
+def gather_shard_records(
+    sharded_state_dict: ShardedStateDict, process_group: dist.ProcessGroup | None = None
+) -> tuple[list[ShardRecord], list[list[ShardRecord]]]:
+    """This rank's and every rank's :class:`ShardRecord` s (an ``all_gather_object``
+    of plain tuples: the fast form of :func:`determine_global_metadata`)."""
+    local = [
+        shard_record(sh) for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
+    ]
+    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+        return local, [local]
+    gathered: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, [tuple(r) for r in local], group=process_group)
+    return local, [[ShardRecord(*t) for t in rank_records] for rank_records in gathered]
 
 
 def determine_global_metadata(

@@ -79,14 +79,14 @@ def _local_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return full.chunk(world, dim=0)[rank].clone()
 
 
-def _save_sd(
-    rank: int, world: int, version: int, wide: bool = False
-) -> dict[str, Any]:
+def _save_sd(rank: int, world: int, version: int, wide: bool = False) -> dict[str, Any]:
     """This rank's sharded state dict: TP-style shards, a replicated tensor, one object per
     rank and some common (non-sharded) state."""
     full = _global_tensors(world, version, wide)
     sd: dict[str, Any] = {
-        key: ShardedTensor.from_rank_offsets(key, _local_shard(full[key], rank, world), (0, rank, world))
+        key: ShardedTensor.from_rank_offsets(
+            key, _local_shard(full[key], rank, world), (0, rank, world)
+        )
         for key in SHARDED_KEYS
     }
     for key in REPLICATED_KEYS:
@@ -396,14 +396,14 @@ def _rank_sigkill(root: Path, persistent: bool, thread_count: int) -> dict[str, 
     rank, world = dist.get_rank(), dist.get_world_size()
     queue = AsyncCallsQueue(persistent=persistent)
     strategy = TorchDistSaveShardedStrategy(thread_count=thread_count)
-    request = dc.save(
-        _save_sd(rank, world, 1), root / "bad", strategy, async_sharded_save=True
-    )
+    request = dc.save(_save_sd(rank, world, 1), root / "bad", strategy, async_sharded_save=True)
     assert isinstance(request, AsyncRequest)
     if rank == 1:
         request = dataclasses.replace(request, async_fn=_sigkill_mid_write)
     queue.schedule_async_request(request)
     error, elapsed = _finalize_error(queue)
+    # Nobody cleans up after a dead writer (see test_failed_save_leaves_no_results_directory).
+    shutil.rmtree(request.async_fn_args[2].directory, ignore_errors=True)
     out = {"error": error, "elapsed": elapsed, "bad_names": _names(root / "bad")}
     dist.barrier()
     _async_save(queue, root / "after", 2, sharded_strategy=strategy)
@@ -414,9 +414,7 @@ def _rank_sigkill(root: Path, persistent: bool, thread_count: int) -> dict[str, 
 
 
 @BOTH_KINDS
-@pytest.mark.parametrize(
-    "thread_count", [1, 2], ids=["caller_process_dies", "bucket_worker_dies"]
-)
+@pytest.mark.parametrize("thread_count", [1, 2], ids=["caller_process_dies", "bucket_worker_dies"])
 def test_writer_killed_mid_write_raises_on_every_rank(
     tmp_path: Path, persistent: bool, thread_count: int
 ) -> None:
@@ -546,7 +544,9 @@ def _rank_worker_reuse(root: Path) -> dict[str, Any]:
     queue = AsyncCallsQueue(persistent=True)
     pids, errors = [], []
     for version in (1, 2, 3):
-        request = dc.save(_save_sd(rank, world, version), root / f"v{version}", async_sharded_save=True)
+        request = dc.save(
+            _save_sd(rank, world, version), root / f"v{version}", async_sharded_save=True
+        )
         assert isinstance(request, AsyncRequest)
         if version == 2 and rank == 1:
             (root / "v2" / "__1_1.distcp").mkdir()  # this save fails
@@ -622,3 +622,40 @@ def test_checkpoint_holds_the_state_at_save_time(tmp_path: Path, persistent: boo
     (tmp_path / "ckpt").mkdir()
     for mismatches in run_distributed(_rank_snapshot, 2, tmp_path, persistent, timeout=90.0):
         assert mismatches == []
+
+
+# ----------------------------------------------------------------------------- known issues
+
+
+def _rank_results_dir_after_failure(root: Path) -> bool:
+    """Whether the private results directory of a failed async save is still there."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    queue = AsyncCallsQueue()
+    strategy = TorchDistSaveShardedStrategy(thread_count=1)  # the caller process writes
+    request = dc.save(_save_sd(rank, world, 1), root / "ckpt", strategy, async_sharded_save=True)
+    assert isinstance(request, AsyncRequest)
+    results_dir = Path(request.async_fn_args[2].directory)
+    if rank == 1:  # rank 1's writer process dies: no rank runs its finalize functions
+        request = dataclasses.replace(request, async_fn=_sigkill_mid_write)
+    queue.schedule_async_request(request)
+    error, _ = _finalize_error(queue)
+    assert error
+    queue.close()
+    leaked = results_dir.exists()
+    shutil.rmtree(results_dir, ignore_errors=True)  # do not leave it behind in /tmp
+    return leaked
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="when an async call fails (its process died), no rank runs the finalize "
+    "functions, and with them the writer's retrieve_write_results/close that removes its "
+    "FileResultsQueue directory: one /tmp/dist_ckpt_results_r<rank>_* directory (holding "
+    "the outcome pickle on ranks whose write succeeded) leaks per rank and failed save",
+)
+def test_failed_save_leaves_no_results_directory(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    assert run_distributed(_rank_results_dir_after_failure, 2, tmp_path, timeout=60.0) == [
+        False,
+        False,
+    ]

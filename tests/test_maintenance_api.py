@@ -22,6 +22,7 @@ from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.strategies.filesystem_reader import FileSystemReader
 from dist_checkpointing.strategies.fs_io import LocalFileSystem
 from dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
@@ -266,39 +267,62 @@ def test_remove_writes_metadata_before_deleting(
 # ----------------------------------------------------------------------------- cached_metadata
 
 
-def _rank_cached_saves(base: str) -> list[dict[str, Any]]:
+def _rank_cached_saves(base: str, keep_only_main_replica: bool) -> list[dict[str, Any]]:
+    """Three saves with cached_metadata=True: same structure twice, then a new shape.
+
+    Counts plan exchanges (scatters of the global plan: only when replicas must be
+    deduplicated) and metadata builds from plan records (decentralized planning,
+    on the coordinator at finalization).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     exchanges: list[int] = []
+    builds: list[int] = []
     scatter = dist.scatter_object_list
+    build = MCoreSavePlanner.metadata_from_records
 
     def counting_scatter(*args: Any, **kwargs: Any) -> Any:
-        exchanges.append(1)  # the global plan is scattered only when it is exchanged
+        exchanges.append(1)
         return scatter(*args, **kwargs)
 
+    def counting_build(records: Any) -> Any:
+        builds.append(1)
+        return build(records)
+
     dist.scatter_object_list = counting_scatter
-    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    MCoreSavePlanner.metadata_from_records = staticmethod(counting_build)  # type: ignore[method-assign]
+    strategy = TorchDistSaveShardedStrategy(
+        cached_metadata=True, keep_only_main_replica=keep_only_main_replica
+    )
     out = []
     previous = None
-    # Same structure twice (different values), then a different shape.
-    for i, rows in enumerate((8, 8, 12)):
-        ckpt_dir = os.path.join(base, f"ckpt{i}")
-        if rank == 0:
-            os.makedirs(ckpt_dir)
-        dist.barrier()
-        g = _ref("c", (rows, 4), salt=100 * i)
-        sd = {
-            "c": ShardedTensor.from_rank_offsets(
-                "c", g.chunk(world)[rank].clone(), (0, rank, world)
+    try:
+        for i, rows in enumerate((8, 8, 12)):
+            ckpt_dir = os.path.join(base, f"ckpt{i}")
+            if rank == 0:
+                os.makedirs(ckpt_dir)
+            dist.barrier()
+            g = _ref("c", (rows, 4), salt=100 * i)
+            sd = {
+                "c": ShardedTensor.from_rank_offsets(
+                    "c", g.chunk(world)[rank].clone(), (0, rank, world)
+                )
+            }
+            before_x, before_b = len(exchanges), len(builds)
+            dcp.save(sd, ckpt_dir, strategy)
+            cached = strategy._cached_structure
+            assert cached is not None
+            reused = previous is not None and cached.central_plan is previous.central_plan
+            out.append(
+                {
+                    "exchanges": len(exchanges) - before_x,
+                    "builds": len(builds) - before_b,
+                    "reused_plan": reused,
+                }
             )
-        }
-        before = len(exchanges)
-        dcp.save(sd, ckpt_dir, strategy)
-        cached = strategy._cached_structure
-        assert cached is not None
-        reused = previous is not None and cached.central_plan is previous.central_plan
-        out.append({"exchanges": len(exchanges) - before, "reused_plan": reused})
-        previous = cached
-    dist.scatter_object_list = scatter
+            previous = cached
+    finally:
+        dist.scatter_object_list = scatter
+        MCoreSavePlanner.metadata_from_records = staticmethod(build)  # type: ignore[method-assign]
     # Every checkpoint (the earlier ones too) loads bit-exactly.
     for i, rows in enumerate((8, 8, 12)):
         request = {"c": ShardedTensor.from_rank_offsets("c", torch.zeros(rows, 4), replica_id=rank)}
@@ -308,17 +332,29 @@ def _rank_cached_saves(base: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_cached_metadata_skips_plan_exchange_for_same_structure(tmp_path: Path) -> None:
-    results = run_distributed(_rank_cached_saves, WORLD, str(tmp_path), timeout=60)
+def test_cached_metadata_skips_metadata_build_for_same_structure(tmp_path: Path) -> None:
+    # Only main replicas: decentralized planning (no plan exchange at all); the
+    # coordinator builds the metadata once, then reuses it while the structure holds.
+    results = run_distributed(_rank_cached_saves, WORLD, str(tmp_path), True, timeout=60)
     for rank, saves in enumerate(results):
         first, same, changed = saves
-        assert first["exchanges"] == 1 and not first["reused_plan"], (rank, first)
-        assert same["exchanges"] == 0 and same["reused_plan"], (rank, same)
-        assert changed["exchanges"] == 1 and not changed["reused_plan"], (rank, changed)
+        coordinator = 1 if rank == 0 else 0
+        assert [s["exchanges"] for s in saves] == [0, 0, 0], (rank, saves)
+        assert [s["builds"] for s in saves] == [coordinator, 0, coordinator], (rank, saves)
+        assert not first["reused_plan"] and same["reused_plan"] and not changed["reused_plan"]
         assert all(s["exact"] for s in saves), (rank, saves)
 
 
-# ----------------------------------------------------------------------------- process subgroups
+def test_cached_metadata_skips_plan_exchange_with_deduplication(tmp_path: Path) -> None:
+    # keep_only_main_replica=False: plans are exchanged (for DCP's dedup), except
+    # when every rank's plan equals the cached one.
+    results = run_distributed(_rank_cached_saves, WORLD, str(tmp_path), False, timeout=60)
+    for rank, saves in enumerate(results):
+        first, same, changed = saves
+        assert [s["exchanges"] for s in saves] == [1, 0, 1], (rank, saves)
+        assert [s["builds"] for s in saves] == [0, 0, 0], (rank, saves)
+        assert not first["reused_plan"] and same["reused_plan"] and not changed["reused_plan"]
+        assert all(s["exact"] for s in saves), (rank, saves)
 
 
 def _subgroup(rank: int) -> tuple[int, dist.ProcessGroup]:

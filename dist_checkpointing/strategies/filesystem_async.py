@@ -40,6 +40,7 @@ from .write_workers import (
     WriteBucket,
     WriteOutcome,
     stage_buckets_to_host,
+    write_buckets_in_process,
     write_buckets_multiproc,
     write_buckets_threaded,
 )
@@ -395,7 +396,7 @@ class FileSystemWriterAsync(StorageWriter):
         )
 
     def get_save_function_and_args(
-        self,
+        self, in_process: bool = False
     ) -> (
         tuple[Callable[..., None], Callable[[], list[WriteBucket]], list[Any]]
         | tuple[None, None, list[Any]]
@@ -404,7 +405,9 @@ class FileSystemWriterAsync(StorageWriter):
 
         ``write_fn(*args)`` is :func:`write_buckets_multiproc` with ``args = [rank,
         buckets, results_queue, sync_files]``; ``stage_fn()`` stages ``args[1]`` to host
-        memory in place and returns it.
+        memory in place and returns it. With ``in_process`` (synchronous saves) it is
+        :func:`write_buckets_in_process` (threads, no worker processes) reporting
+        through an in-memory queue.
         """
         if self._buckets is None:
             raise CheckpointingException(
@@ -413,10 +416,16 @@ class FileSystemWriterAsync(StorageWriter):
         if not self._buckets:
             return None, None, []
         if self._results_queue is None:
-            self._results_queue = self._external_queue or FileResultsQueue(self._rank_or_default())
+            if self._external_queue is not None:
+                self._results_queue = self._external_queue
+            elif in_process:
+                self._results_queue = queue.SimpleQueue()
+            else:
+                self._results_queue = FileResultsQueue(self._rank_or_default())
         buckets = self._buckets
         args: list[Any] = [self._rank_or_default(), buckets, self._results_queue, self.sync_files]
-        return write_buckets_multiproc, _StageFn(buckets), args
+        write_fn = write_buckets_in_process if in_process else write_buckets_multiproc
+        return write_fn, _StageFn(buckets), args
 
     def retrieve_write_results(
         self, timeout: float = DEFAULT_RESULTS_TIMEOUT_S

@@ -27,10 +27,11 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import StorageWriter
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
+from .._torch_compat import StorageInfo
 from ..errors import CheckpointingException, CheckpointWriteError
 
 logger = logging.getLogger(__name__)
@@ -44,11 +45,49 @@ class CachedStructure:
 
     ``local_plan`` is this rank's plan before global planning, ``central_plan``
     its final plan, ``metadata`` the global metadata (coordinator only).
+    ``metadata_pending`` (the same on every rank) means the metadata is built at
+    finalization from every rank's plan records (decentralized planning).
     """
 
     local_plan: SavePlan
     central_plan: SavePlan
     metadata: Metadata | None
+    metadata_pending: bool = False
+
+
+def _decentralized(planner: SavePlanner) -> bool:
+    return bool(getattr(planner, "supports_decentralized_plan", False))
+
+
+def _compact_results(results: list[WriteResult]) -> list[tuple]:
+    """Write results as plain tuples (they pickle an order of magnitude faster)."""
+    out = []
+    for r in results:
+        info = r.storage_data
+        offset = None if r.index.offset is None else tuple(r.index.offset)
+        out.append(
+            (
+                r.index.fqn,
+                offset,
+                r.size_in_bytes,
+                info.relative_path,
+                info.offset,
+                info.length,
+                getattr(info, "transform_descriptors", None),
+            )
+        )
+    return out
+
+
+def _expand_results(records: list[tuple]) -> list[WriteResult]:
+    return [
+        WriteResult(
+            MetadataIndex(fqn, None if offset is None else torch.Size(offset)),
+            size,
+            StorageInfo(path, file_offset, length, transforms),
+        )
+        for fqn, offset, size, path, file_offset, length, transforms in records
+    ]
 
 
 class _Group:
@@ -114,6 +153,29 @@ class _Group:
         return box[0]
 
 
+def _commit_metadata(
+    storage_writer: StorageWriter,
+    global_metadata: Metadata | None,
+    gathered: list[Any],
+    pending: bool,
+    planner: SavePlanner | None,
+) -> tuple[tuple[str, str], Metadata | None]:
+    """(Coordinator) Build the metadata if pending, then write ``.metadata``."""
+    failures = [f"rank {r}: {v}" for r, (s, v) in enumerate(gathered) if s == "error"]
+    if failures:
+        return ("error", "; ".join(failures)), None
+    metadata = global_metadata
+    if pending:
+        metadata = planner.metadata_from_records([v[1] for _, v in gathered])  # type: ignore[union-attr]
+    if metadata is None:
+        return ("error", "the coordinator has no global metadata to write"), None
+    all_results = [_expand_results(v[0]) for _, v in gathered]
+    _, finish_error = _attempt(lambda: storage_writer.finish(metadata, all_results))
+    if finish_error is not None:
+        return ("error", f"writing .metadata failed: {finish_error}"), None
+    return ("ok", ""), metadata
+
+
 def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     try:
         return fn(), None
@@ -147,12 +209,23 @@ def save_state_dict_async_plan(
         return storage_writer.prepare_local_plan(planner.create_local_plan())
 
     local_plan, error = _attempt(local_step)
-    reuse = cached_ckpt_structure is not None and local_plan == cached_ckpt_structure.local_plan
+    cached = cached_ckpt_structure
+    reuse = (
+        cached is not None
+        and not cached.metadata_pending
+        and local_plan == cached.local_plan
+        and (cached.metadata is not None or not group.is_coordinator)
+    )
     (not_cached,) = group.all_ok(error, [0 if reuse else 1])
     assert local_plan is not None
-    if not_cached == 0 and cached_ckpt_structure is not None:
+    pending = False
+    if not_cached == 0 and cached is not None:
         logger.debug("Reusing the cached checkpoint structure (no plan exchange)")
-        central_plan, metadata = cached_ckpt_structure.central_plan, cached_ckpt_structure.metadata
+        central_plan, metadata = cached.central_plan, cached.metadata
+    elif _decentralized(planner):
+        # Each rank's final plan is its local plan; the coordinator builds the
+        # metadata at finalization (no gather/scatter of plans here).
+        central_plan, metadata, pending = local_plan, None, True
     else:
         central_plan, metadata = _exchange_plans(group, local_plan, planner, storage_writer)
 
@@ -163,7 +236,7 @@ def save_state_dict_async_plan(
 
     final_plan, error = _attempt(prepare)
     group.all_ok(error)
-    return storage_writer, metadata, CachedStructure(local_plan, central_plan, metadata)
+    return storage_writer, metadata, CachedStructure(local_plan, central_plan, metadata, pending)
 
 
 def _exchange_plans(
@@ -201,31 +274,41 @@ def save_state_dict_async_finalize(
     global_metadata: Metadata | None,
     process_group: dist.ProcessGroup | None = None,
     coordinator_rank: int = 0,
+    structure: CachedStructure | None = None,
+    planner: SavePlanner | None = None,
 ) -> None:
-    """Collect every rank's write results and commit ``.metadata`` (step 4 above).
+    """Collect every rank's write results and commit ``.metadata`` (step 3 above).
+
+    With decentralized planning (``structure.metadata_pending``), every rank also
+    sends its plan records and the coordinator builds the metadata with
+    ``planner.metadata_from_records``; ``structure`` then caches it.
 
     Raises:
         CheckpointWriteError: on every rank, if any rank's write failed or the
             metadata could not be written.
     """
     group = _Group(process_group, coordinator_rank)
-    results, error = _attempt(storage_writer.retrieve_write_results)  # type: ignore[attr-defined]
-    mine = ("error", f"{type(error).__name__}: {error}") if error else ("ok", results)
+    pending = structure is not None and structure.metadata_pending
+
+    def collect() -> tuple[list[tuple], Any]:
+        results = storage_writer.retrieve_write_results()  # type: ignore[attr-defined]
+        records = planner.plan_records(structure.local_plan) if pending else None  # type: ignore[union-attr]
+        return _compact_results(results), records
+
+    collected, error = _attempt(collect)
+    mine = ("error", f"{type(error).__name__}: {error}") if error else ("ok", collected)
     gathered = group.gather(mine)
     outcome: tuple[str, str] = ("ok", "")
     if group.is_coordinator:
         assert gathered is not None
-        failures = [f"rank {r}: {v}" for r, (s, v) in enumerate(gathered) if s == "error"]
-        if failures:
-            outcome = ("error", "; ".join(failures))
-        elif global_metadata is None:
-            outcome = ("error", "the coordinator has no global metadata to write")
-        else:
-            all_results = [v for _, v in gathered]
-            _, finish_error = _attempt(lambda: storage_writer.finish(global_metadata, all_results))
-            if finish_error is not None:
-                outcome = ("error", f"writing .metadata failed: {finish_error}")
+        outcome, built = _commit_metadata(
+            storage_writer, global_metadata, gathered, pending, planner
+        )
+        if built is not None and structure is not None:
+            structure.metadata = built
     status, message = group.broadcast(outcome)
+    if status == "ok" and structure is not None:
+        structure.metadata_pending = False
     if status == "error":
         if error is not None and isinstance(error, CheckpointingException):
             raise error

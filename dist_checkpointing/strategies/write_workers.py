@@ -299,11 +299,32 @@ def write_buckets_multiproc(
     they go into the outcome, and :meth:`FileSystemWriterAsync.retrieve_write_results`
     raises them.
     """
+    _write_buckets(rank, buckets, results_queue, sync_files, in_process=False)
+
+
+def write_buckets_in_process(
+    rank: int, buckets: list[WriteBucket], results_queue: ResultsQueue, sync_files: bool = True
+) -> None:
+    """Like :func:`write_buckets_multiproc`, with one thread per bucket in this process.
+
+    The write function of synchronous saves: no process is started, so nothing
+    is forked from the trainer and no memory is duplicated.
+    """
+    _write_buckets(rank, buckets, results_queue, sync_files, in_process=True)
+
+
+def _write_buckets(
+    rank: int,
+    buckets: list[WriteBucket],
+    results_queue: ResultsQueue,
+    sync_files: bool,
+    in_process: bool,
+) -> None:
     import multiprocessing
 
     fs = filesystem_for(os.path.dirname(buckets[0].path) if buckets else ".")
     with gc_paused():
-        if multiprocessing.current_process().daemon and len(buckets) > 1:
+        if (in_process or multiprocessing.current_process().daemon) and len(buckets) > 1:
             # A daemonic process may not start children: write with threads instead.
             outcome = write_buckets_threaded(rank, buckets, fs, sync_files)
         elif len(buckets) == 1:

@@ -171,6 +171,59 @@ class MCoreSavePlanner(DefaultSavePlanner):
         self.plan = new_plan
         return new_plan
 
+    # Decentralized planning: without deduplication, a rank's final plan is its local
+    # plan, and the coordinator needs only a compact description of every rank's
+    # items to build the metadata (at finalization, with the write results).
+
+    @property
+    def supports_decentralized_plan(self) -> bool:
+        """Whether ranks can skip the plan exchange (no deduplication needed)."""
+        return not self._dedup
+
+    @staticmethod
+    def plan_records(plan: SavePlan) -> tuple[list[tuple], dict]:
+        """A compact, cheaply pickled description of a local plan's items."""
+        records: list[tuple] = []
+        for item in plan.items:
+            td = item.tensor_data
+            if td is None:
+                records.append((item.index.fqn,))
+            else:
+                records.append(
+                    (
+                        item.index.fqn,
+                        tuple(td.chunk.offsets),
+                        tuple(td.chunk.sizes),
+                        tuple(td.size),
+                        td.properties.dtype,
+                    )
+                )
+        return records, plan.planner_data or {}
+
+    @staticmethod
+    def metadata_from_records(all_records: list[tuple[list[tuple], dict]]) -> Metadata:
+        """The global Metadata (without storage data) from every rank's plan records."""
+        md: dict[str, Any] = {}
+        mcore_data: dict[str, dict] = {}
+        for records, planner_data in all_records:
+            for rec in records:
+                if len(rec) == 1:
+                    md[rec[0]] = BytesStorageMetadata()
+                    continue
+                fqn, offsets, sizes, size, dtype = rec
+                tmd = md.get(fqn)
+                if tmd is None:
+                    tmd = md[fqn] = TensorStorageMetadata(
+                        TensorProperties(dtype=dtype), torch.Size(size), []
+                    )
+                tmd.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            for key, value in planner_data.items():
+                if value or key not in mcore_data:
+                    mcore_data[key] = value
+        metadata = Metadata(state_dict_metadata=md)
+        metadata.mcore_data = mcore_data  # type: ignore[attr-defined]
+        return metadata
+
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = self._data[write_item.index]
         if write_item.type == WriteItemType.BYTE_IO:

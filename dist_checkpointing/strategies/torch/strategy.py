@@ -134,9 +134,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Plan collectively and return the request that stages, writes and commits.
 
         The returned request's ``preload_fn`` stages the data (the blocking part),
-        its ``async_fn`` writes the files, and its finalize function writes
-        ``.metadata`` once every rank succeeded.
+        its ``async_fn`` writes the files (one worker process per file), and its
+        finalize function writes ``.metadata`` once every rank succeeded.
         """
+        return self._request(sharded_state_dict, checkpoint_dir, in_process=False)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
+        """Synchronous save: the same request, written by threads of this process."""
+        request = self._request(sharded_state_dict, checkpoint_dir, in_process=True)
+        request.execute_sync(self.process_group)
+
+    def _request(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path, in_process: bool
+    ) -> AsyncRequest:
         by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, self.keep_only_main_replica
         )
@@ -146,17 +156,25 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             thread_count=self.thread_count,
             separation_hint=self.separation_hint,
         )
+        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica)
         _, metadata, structure = save_state_dict_async_plan(
             by_key,
             writer,
             self.process_group,
-            planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica),
+            planner=planner,
             cached_ckpt_structure=self._cached_structure if self.cached_metadata else None,
         )
         if self.cached_metadata:
             self._cached_structure = structure
-        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalize = partial(save_state_dict_async_finalize, writer, metadata, self.process_group)
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args(in_process)
+        finalize = partial(
+            save_state_dict_async_finalize,
+            writer,
+            metadata,
+            self.process_group,
+            structure=structure,
+            planner=planner,
+        )
         return AsyncRequest(save_fn, tuple(save_args), [finalize], preload_fn=preload_fn)
 
 

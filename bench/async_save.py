@@ -1,0 +1,462 @@
+"""Async saves in a simulated training loop: how long the loop is blocked, how fast the
+background writes, how much memory it takes.
+
+    torchrun --standalone --nproc_per_node=2 bench/async_save.py [--size-mib 1024] \
+        [--steps 4] [--compute-seconds 3] [--compute sleep|matmul] [--device cpu|cuda]
+
+The state (``--size-mib`` MiB in total, 16 float32 tensors sharded over the ranks on
+axis 0) is saved at the end of every step, asynchronously, to a new directory, the way
+Megatron-Core trains with ``--async-save``::
+
+    for step in range(steps):
+        for iteration in range(compute_seconds / iter_seconds):
+            compute()  # sleep, or a matmul loop
+            queue.maybe_finalize_async_calls(blocking=False)  # every iteration
+        request = dist_checkpointing.save(sd, step_dir, async_sharded_save=True)  # blocked
+        queue.schedule_async_request(request)  # blocked (staging)
+    queue.maybe_finalize_async_calls(blocking=True)
+
+For each caller kind (``temporal``: one forked process per save; ``persistent``: one
+spawned worker per rank) it prints:
+
+- blocked: the time of ``save()`` + ``schedule_async_request`` (slowest rank, per save),
+  against a synchronous save of the same state measured in the same run. Target: at most
+  10% of the synchronous save, and persistent below temporal.
+- background: the bytes saved / the time from ``schedule_async_request`` to the end of
+  the finalization (slowest rank), against the raw baseline (``common.raw_write`` of the
+  same bytes in as many files, with fsync). Target: at least 80% of raw. Measured in the
+  loop (finalization noticed at the next iteration, so up to ``--iter-seconds`` late) and
+  isolated (one more save, finalized with ``blocking=True`` right away).
+- peak memory of the largest rank, with its children (writer processes): RSS, which
+  counts pages a forked writer shares with its rank once per process, and PSS, which
+  splits them; and the rank's memory before the loop, for reference.
+
+Run with torchrun (2 or 4 ranks). ``--device cuda`` puts the state on the GPU (staging to
+pinned host memory becomes the blocking part); it needs one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+import torch.distributed as dist
+from common import fmt_gbps, fmt_mib, log, measured, rank, raw_blob, raw_write, world
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedTensor
+from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+TENSORS = 16
+COLS = 1024
+CALLERS = {"temporal": False, "persistent": True}
+BLOCKED_TARGET = 0.10  # of the synchronous save
+THROUGHPUT_TARGET = 0.80  # of the raw baseline
+
+
+# --------------------------------------------------------------------------- state
+
+
+def make_state(size_mib: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's local tensors, by key (deterministic values)."""
+    gen = torch.Generator().manual_seed(2000 + rank())
+    per_tensor = size_mib * 2**20 // 4 // TENSORS // world()
+    rows = max(per_tensor // COLS, 1)
+    return {
+        f"layer{i}.weight": torch.randn(rows, COLS, generator=gen).to(device)
+        for i in range(TENSORS)
+    }
+
+
+def sharded(local: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
+    return {
+        k: ShardedTensor.from_rank_offsets(k, t, (0, rank(), world())) for k, t in local.items()
+    }
+
+
+def verify(local: dict[str, torch.Tensor], ckpt: str) -> None:
+    """Load ``ckpt`` and compare every byte with the state."""
+    request = sharded({k: torch.empty_like(t) for k, t in local.items()})
+    loaded = dc.load(request, ckpt)
+    bad = [k for k, t in local.items() if not torch.equal(loaded[k], t)]
+    if bad:
+        raise RuntimeError(f"rank {rank()}: {ckpt}: loaded values differ for {bad[:5]}")
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(RSS, PSS) of a process and its children."""
+    rss = pss = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            info = p.memory_full_info()
+            rss += info.rss
+            pss += info.pss
+    return rss, pss
+
+
+@dataclass
+class PeakMemory:
+    """Samples this rank's (and its children's) RSS and PSS in a background thread."""
+
+    interval_s: float = 0.02
+    rss: int = 0
+    pss: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> PeakMemory:
+        proc = psutil.Process()
+        self.rss, self.pss = _tree_memory(proc)
+        if self.interval_s <= 0:  # off: the timings are then free of the sampling's cost
+            self._stop.set()
+
+        def sample() -> None:
+            while not self._stop.wait(self.interval_s):
+                rss, pss = _tree_memory(proc)
+                self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def make_compute(kind: str, device: torch.device) -> Callable[[float], None]:
+    """A function that keeps this rank busy for about the given seconds."""
+    if kind == "sleep":
+        return time.sleep
+    a = torch.randn(512, 512, device=device)
+    b = torch.randn(512, 512, device=device)
+
+    def matmul(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            torch.mm(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    return matmul
+
+
+@dataclass
+class SaveTimes:
+    """One async save on this rank (perf_counter seconds)."""
+
+    start: float  # save() called
+    saved: float = 0.0  # save() returned, schedule_async_request called
+    scheduled: float = 0.0  # schedule_async_request returned
+    finalized: float = 0.0  # maybe_finalize_async_calls returned its id
+
+    @property
+    def blocked(self) -> float:
+        return self.scheduled - self.start
+
+    @property
+    def background(self) -> float:
+        return self.finalized - self.saved
+
+
+@dataclass
+class Loop:
+    """What one caller kind's run measured (slowest rank per save)."""
+
+    blocked: list[float]
+    save_part: list[float]
+    schedule_part: list[float]
+    background: list[float]
+    iso_blocked: float
+    iso_background: float
+    base_rss: int
+    peak_rss: int
+    peak_pss: int
+    seconds: float
+
+
+class Trainer:
+    """The simulated training loop of one caller kind."""
+
+    def __init__(self, args: argparse.Namespace, local: dict[str, torch.Tensor], root: str):
+        self.args = args
+        self.local = local
+        self.root = root
+        self.strategy = TorchDistSaveShardedStrategy(
+            thread_count=args.thread_count, cached_metadata=args.cached_metadata
+        )
+        self.compute = make_compute(args.compute, local[next(iter(local))].device)
+        self.times: dict[int, SaveTimes] = {}
+        self.dirs: dict[int, str] = {}
+
+    def _new_dir(self, name: str) -> str:
+        path = os.path.join(self.root, name)
+        if rank() == 0:
+            os.makedirs(path)
+        dist.barrier()  # a real trainer makes the directory before the collective save
+        return path
+
+    def _save(self, queue: AsyncCallsQueue, path: str) -> int:
+        times = SaveTimes(time.perf_counter())
+        request = dc.save(sharded(self.local), path, self.strategy, async_sharded_save=True)
+        assert isinstance(request, AsyncRequest)
+        times.saved = time.perf_counter()
+        idx = queue.schedule_async_request(request)
+        times.scheduled = time.perf_counter()
+        self.times[idx] = times
+        self.dirs[idx] = path
+        return idx
+
+    def _finalize(self, queue: AsyncCallsQueue, blocking: bool, keep: int) -> None:
+        done = queue.maybe_finalize_async_calls(blocking=blocking)
+        now = time.perf_counter()
+        for idx in done:
+            self.times[idx].finalized = now
+            if rank() == 0 and idx != keep:  # every rank is past this call's last barrier
+                shutil.rmtree(self.dirs[idx])
+
+    def run(self, name: str, persistent: bool) -> Loop:
+        args = self.args
+        iterations = max(1, round(args.compute_seconds / args.iter_seconds))
+        queue = AsyncCallsQueue(persistent=persistent)
+        base_rss, _ = _tree_memory(psutil.Process())
+        start = time.perf_counter()
+        with PeakMemory(args.memory_interval) as memory:
+            for step in range(args.steps):
+                for _ in range(iterations):
+                    self.compute(args.iter_seconds)
+                    self._finalize(queue, blocking=False, keep=args.steps - 1)
+                self._save(queue, self._new_dir(f"{name}_step{step}"))
+            self._finalize(queue, blocking=True, keep=args.steps - 1)
+            seconds = time.perf_counter() - start
+            iso = self._save(queue, self._new_dir(f"{name}_isolated"))
+            self._finalize(queue, blocking=True, keep=-1)
+        queue.close()
+        if not args.no_verify:
+            verify(self.local, self.dirs[args.steps - 1])
+        dist.barrier()
+        if rank() == 0:
+            shutil.rmtree(self.dirs[args.steps - 1])
+        loop = [self.times[i] for i in range(args.steps)]
+        per_save = max_over_ranks(
+            [t.blocked for t in loop]
+            + [t.saved - t.start for t in loop]
+            + [t.scheduled - t.saved for t in loop]
+            + [t.background for t in loop]
+            + [self.times[iso].blocked, self.times[iso].background, seconds]
+            + [float(base_rss), float(memory.rss), float(memory.pss)]
+        )
+        n = args.steps
+        self.times.clear()
+        return Loop(
+            blocked=per_save[:n],
+            save_part=per_save[n : 2 * n],
+            schedule_part=per_save[2 * n : 3 * n],
+            background=per_save[3 * n : 4 * n],
+            iso_blocked=per_save[4 * n],
+            iso_background=per_save[4 * n + 1],
+            seconds=per_save[4 * n + 2],
+            base_rss=int(per_save[4 * n + 3]),
+            peak_rss=int(per_save[4 * n + 4]),
+            peak_pss=int(per_save[4 * n + 5]),
+        )
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.1f} ms"
+
+
+def _list(seconds: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in seconds) + "] s"
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:5.1f}%"
+
+
+def report(
+    name: str, r: Loop, nbytes: int, sync_s: float, raw_s: float, args: argparse.Namespace
+) -> None:
+    log(f"\n-- {name} caller: {args.steps} saves in a loop of {r.seconds:.1f} s --")
+    log(
+        f"{'save':>5} {'blocked':>11} {'= save()':>11} {'+ schedule':>11} {'% sync':>7} "
+        f"{'background':>11} {'throughput':>11} {'% raw':>7}"
+    )
+    rows = [(str(i), i) for i in range(args.steps)] + [("iso", -1)]
+    for label, i in rows:
+        blocked = r.blocked[i] if i >= 0 else r.iso_blocked
+        background = r.background[i] if i >= 0 else r.iso_background
+        parts = f"{_ms(r.save_part[i])} {_ms(r.schedule_part[i])}" if i >= 0 else " " * 23
+        log(
+            f"{label:>5} {_ms(blocked)} {parts} {_pct(blocked, sync_s):>7} {_ms(background)} "
+            f"{fmt_gbps(nbytes, background):>11} {_pct(raw_s, background):>7}"
+        )
+    # Save 0 pays one-time costs (the persistent worker's start, moving tensors to shared
+    # memory); the steady state is saves 1.. .
+    steady = r.blocked[1:] or r.blocked
+    blocked = statistics.median(steady)
+    met = "met" if blocked <= BLOCKED_TARGET * sync_s else "MISSED"
+    log(
+        f"blocked per save, saves 1..{args.steps - 1}: median {_ms(blocked).strip()} = "
+        f"{_pct(blocked, sync_s).strip()} of the sync save (max {_ms(max(steady)).strip()}) "
+        f"[target <= {BLOCKED_TARGET:.0%}: {met}]"
+    )
+    background = statistics.median(r.background[1:] or r.background)
+    met = "met" if raw_s / r.iso_background >= THROUGHPUT_TARGET else "MISSED"
+    log(
+        f"background throughput: isolated {_pct(raw_s, r.iso_background).strip()} of raw, "
+        f"in the loop (median, saves 1..) {_pct(raw_s, background).strip()} "
+        f"[target >= {THROUGHPUT_TARGET:.0%}: {met} (isolated)]"
+    )
+    if args.memory_interval > 0:
+        log(
+            f"memory per rank (largest): before {fmt_mib(r.base_rss).strip()}, peak RSS "
+            f"{fmt_mib(r.peak_rss).strip()}, peak PSS {fmt_mib(r.peak_pss).strip()} "
+            f"(rank with its children, sampled every {args.memory_interval:g} s)"
+        )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _timed_repeats(
+    root: str, name: str, repeats: int, fn: Callable[[str], None]
+) -> tuple[list[float], int]:
+    """Run ``fn(directory)`` once to warm up, then ``repeats`` times measured (each in a fresh
+    directory, removed afterwards): (seconds of each, slowest rank; largest peak RSS)."""
+    seconds, peak = [], 0
+    for i in range(repeats + 1):
+        path = os.path.join(root, f"{name}{i}")
+        if rank() == 0:
+            os.makedirs(path)
+        dist.barrier()
+        with measured() as m:
+            fn(path)
+        if i > 0:
+            seconds.append(m[0].seconds)
+            peak = max(peak, m[0].peak_rss)
+        dist.barrier()
+        if rank() == 0:
+            shutil.rmtree(path)
+    return seconds, peak
+
+
+def baselines(
+    local: dict[str, torch.Tensor], root: str, args: argparse.Namespace
+) -> tuple[list[float], list[float], int]:
+    """(raw write seconds, sync save seconds, sync save peak RSS): slowest rank, per repeat."""
+    blob = raw_blob([t.cpu() for t in local.values()])
+    raw, _ = _timed_repeats(
+        root, "raw", args.repeats, lambda path: raw_write(path, blob, args.thread_count)
+    )
+    blob.clear()  # not `del`: the lambda above holds it
+    strategy = TorchDistSaveShardedStrategy(thread_count=args.thread_count)
+    sync, sync_rss = _timed_repeats(
+        root, "sync", args.repeats, lambda path: dc.save(sharded(local), path, strategy)
+    )
+    return raw, sync, sync_rss
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size-mib", type=int, default=1024, help="state size, all ranks")
+    parser.add_argument("--steps", type=int, default=4, help="saves per caller kind")
+    parser.add_argument("--compute-seconds", type=float, default=3.0, help="per step")
+    parser.add_argument("--iter-seconds", type=float, default=0.05, help="per iteration")
+    parser.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--thread-count", type=int, default=2, help="files per rank")
+    parser.add_argument("--cached-metadata", action="store_true")
+    parser.add_argument("--callers", default="temporal,persistent")
+    parser.add_argument("--repeats", type=int, default=3, help="of each baseline (median)")
+    parser.add_argument("--memory-interval", type=float, default=0.1, help="seconds, 0: off")
+    parser.add_argument("--no-verify", action="store_true", help="skip the load check")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    return parser.parse_args()
+
+
+@contextlib.contextmanager
+def process_group(device: str) -> Iterator[torch.device]:
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+        yield torch.device("cuda", local_rank)
+    else:
+        dist.init_process_group("gloo")
+        yield torch.device("cpu")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse_args()
+    with process_group(args.device) as device:
+        root = os.path.join(args.dir or tempfile.gettempdir(), "dist_ckpt_async_bench")
+        if rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(root)
+        dist.barrier()
+        try:
+            local = make_state(args.size_mib, device)
+            nbytes_rank = sum(t.numel() * t.element_size() for t in local.values())
+            total = torch.tensor([nbytes_rank], dtype=torch.int64)
+            dist.all_reduce(total)
+            nbytes = int(total)
+            raw, sync, sync_rss = baselines(local, root, args)
+            raw_s, sync_s = statistics.median(raw), statistics.median(sync)
+            log(
+                f"== async save: {fmt_mib(nbytes).strip()} in total, {TENSORS} tensors per rank "
+                f"on {args.device}, {world()} ranks, {args.thread_count} files per rank, "
+                f"{args.steps} steps of {args.compute_seconds:g} s ({args.compute}) =="
+            )
+            log(
+                f"raw write: median {raw_s:.3f} s ({fmt_gbps(nbytes, raw_s).strip()}) of "
+                f"{_list(raw)}; sync save: median {sync_s:.3f} s "
+                f"({fmt_gbps(nbytes, sync_s).strip()}, {_pct(raw_s, sync_s).strip()} of raw) of "
+                f"{_list(sync)}, peak RSS {fmt_mib(sync_rss).strip()} per rank"
+            )
+            results: dict[str, Loop] = {}
+            for name in args.callers.split(","):
+                results[name] = Trainer(args, local, root).run(name, CALLERS[name])
+                report(name, results[name], nbytes, sync_s, raw_s, args)
+            if {"temporal", "persistent"} <= set(results):
+                med = {n: statistics.median(r.blocked[1:] or r.blocked) for n, r in results.items()}
+                verdict = "met" if med["persistent"] < med["temporal"] else "MISSED"
+                log(
+                    f"\nblocked per save (median, saves 1..): persistent "
+                    f"{_ms(med['persistent']).strip()}, temporal {_ms(med['temporal']).strip()} "
+                    f"[target: persistent below temporal: {verdict}]"
+                )
+        finally:
+            dist.barrier()
+            if rank() == 0:
+                shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
