@@ -12,7 +12,8 @@ import logging
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .errors import CheckpointingException, CorruptCheckpointError
+# Megatron-Core users import the base error from here; it lives in errors.py.
+from .errors import CheckpointingException, CorruptCheckpointError  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,6 @@ CONFIG_FNAME = "metadata.json"
 __all__ = [
     "CONFIG_FNAME",
     "CheckpointingConfig",
-    "CheckpointingException",
     "check_is_distributed_checkpoint",
     "maybe_load_config",
     "save_config",

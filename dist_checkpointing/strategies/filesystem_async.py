@@ -161,7 +161,8 @@ class FileSystemWriterAsync(StorageWriter):
 
     Asynchronous use (Megatron-Core style, e.g. with an ``AsyncRequest``):
 
-    1-3. as above (or ``prepare_decentralized_global_plan`` instead of 3).
+    Steps 1 to 3 as above (or ``prepare_decentralized_global_plan`` instead of 3), then:
+
     4. (all ranks) ``prepare_write_data(plan, planner)``: resolves items into buckets.
     5. (all ranks) ``fn, stage_fn, args = get_save_function_and_args()``; all ``None``
        (and ``[]``) when the rank has nothing to write. ``stage_fn()`` copies
