@@ -28,8 +28,12 @@ spawned worker per rank) it prints:
   loop (finalization noticed at the next iteration, so up to ``--iter-seconds`` late) and
   isolated (one more save, finalized with ``blocking=True`` right away).
 - peak memory of the largest rank, with its children (writer processes): RSS, which
-  counts pages a forked writer shares with its rank once per process, and PSS, which
-  splits them; and the rank's memory before the loop, for reference.
+  counts pages a forked writer shares with its rank once per process, and with ``--pss``
+  also PSS, which splits them (sampling it costs kernel time: use a separate run for
+  timings); and the rank's memory before the loop, for reference.
+
+Timings on a shared machine are noisy: the baselines are the median of ``--repeats``
+runs (after a warm-up), and every async save is listed, so that outliers show.
 
 Run with torchrun (2 or 4 ranks). ``--device cuda`` puts the state on the GPU (staging to
 pinned host memory becomes the blocking part); it needs one GPU per rank.
@@ -97,35 +101,40 @@ def verify(local: dict[str, torch.Tensor], ckpt: str) -> None:
 # --------------------------------------------------------------------------- memory
 
 
-def _tree_memory(proc: psutil.Process) -> tuple[int, int]:
-    """(RSS, PSS) of a process and its children."""
-    rss = pss = 0
+def _tree_memory(proc: psutil.Process, pss: bool) -> tuple[int, int]:
+    """(RSS, PSS or 0) of a process and its children. PSS walks every page table (kernel
+    time, noticeable on a small machine), so it is measured only when asked for."""
+    rss = proportional = 0
     for p in [proc, *proc.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            info = p.memory_full_info()
-            rss += info.rss
-            pss += info.pss
-    return rss, pss
+            if pss:
+                info = p.memory_full_info()
+                rss += info.rss
+                proportional += info.pss
+            else:
+                rss += p.memory_info().rss
+    return rss, proportional
 
 
 @dataclass
 class PeakMemory:
-    """Samples this rank's (and its children's) RSS and PSS in a background thread."""
+    """Samples this rank's (and its children's) RSS, and optionally PSS, in a thread."""
 
-    interval_s: float = 0.02
+    interval_s: float
+    with_pss: bool
     rss: int = 0
     pss: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> PeakMemory:
         proc = psutil.Process()
-        self.rss, self.pss = _tree_memory(proc)
+        self.rss, self.pss = _tree_memory(proc, self.with_pss)
         if self.interval_s <= 0:  # off: the timings are then free of the sampling's cost
             self._stop.set()
 
         def sample() -> None:
             while not self._stop.wait(self.interval_s):
-                rss, pss = _tree_memory(proc)
+                rss, pss = _tree_memory(proc, self.with_pss)
                 self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
 
         self._thread = threading.Thread(target=sample, daemon=True)
@@ -241,9 +250,9 @@ class Trainer:
         args = self.args
         iterations = max(1, round(args.compute_seconds / args.iter_seconds))
         queue = AsyncCallsQueue(persistent=persistent)
-        base_rss, _ = _tree_memory(psutil.Process())
+        base_rss, _ = _tree_memory(psutil.Process(), pss=False)
         start = time.perf_counter()
-        with PeakMemory(args.memory_interval) as memory:
+        with PeakMemory(args.memory_interval, args.pss) as memory:
             for step in range(args.steps):
                 for _ in range(iterations):
                     self.compute(args.iter_seconds)
@@ -334,10 +343,11 @@ def report(
         f"[target >= {THROUGHPUT_TARGET:.0%}: {met} (isolated)]"
     )
     if args.memory_interval > 0:
+        pss = f", peak PSS {fmt_mib(r.peak_pss).strip()}" if args.pss else ""
         log(
             f"memory per rank (largest): before {fmt_mib(r.base_rss).strip()}, peak RSS "
-            f"{fmt_mib(r.peak_rss).strip()}, peak PSS {fmt_mib(r.peak_pss).strip()} "
-            f"(rank with its children, sampled every {args.memory_interval:g} s)"
+            f"{fmt_mib(r.peak_rss).strip()}{pss} (rank with its children, sampled every "
+            f"{args.memory_interval:g} s)"
         )
 
 
@@ -394,7 +404,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cached-metadata", action="store_true")
     parser.add_argument("--callers", default="temporal,persistent")
     parser.add_argument("--repeats", type=int, default=3, help="of each baseline (median)")
-    parser.add_argument("--memory-interval", type=float, default=0.1, help="seconds, 0: off")
+    parser.add_argument("--memory-interval", type=float, default=0.02, help="seconds, 0: off")
+    parser.add_argument("--pss", action="store_true", help="also sample PSS (perturbs timings)")
     parser.add_argument("--no-verify", action="store_true", help="skip the load check")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     return parser.parse_args()

@@ -20,6 +20,8 @@ import argparse
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -68,61 +70,93 @@ def dcp_state_dict(local: dict[str, torch.Tensor], mesh: object) -> dict[str, DT
     return {k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for k, t in local.items()}
 
 
+def best_of(repeat: int, phase: Callable[[int], None]) -> Measurement:
+    """The fastest of ``repeat`` runs of ``phase(i)`` (with the peak RSS of that run)."""
+    runs = []
+    for i in range(repeat):
+        with measured() as m:
+            phase(i)
+        runs.append(m[0])
+    return min(runs, key=lambda m: m.seconds)
+
+
+def _raw_save(
+    local: dict[str, torch.Tensor], repeat: int, path: Callable[[int], str]
+) -> Measurement:
+    blob = raw_blob(list(local.values()))
+    return best_of(repeat, lambda i: raw_write(path(i), blob, THREAD_COUNT))
+
+
+def measure_raw(
+    local: dict[str, torch.Tensor], repeat: int, path: Callable[[int], str], nbytes: int
+) -> dict[str, Measurement]:
+    save = _raw_save(local, repeat, path)  # the blob is freed before the loads
+    into = bytearray(nbytes)  # allocated (and zero-filled) outside the timed region
+    load = best_of(repeat, lambda i: raw_read(path(i), into, THREAD_COUNT))
+    return {"save": save, "load": load}
+
+
+def measure_dcp(
+    local: dict[str, torch.Tensor], repeat: int, path: Callable[[int], str], mesh: object
+) -> dict[str, Measurement]:
+    save = best_of(repeat, lambda i: dcp.save(dcp_state_dict(local, mesh), checkpoint_id=path(i)))
+    target = dcp_state_dict({k: torch.empty_like(t) for k, t in local.items()}, mesh)
+    load = best_of(repeat, lambda i: dcp.load(target, checkpoint_id=path(i)))
+    return {"save": save, "load": load}
+
+
+def measure_ours(
+    local: dict[str, torch.Tensor], repeat: int, path: Callable[[int], str]
+) -> dict[str, Measurement]:
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=THREAD_COUNT)
+    save = best_of(
+        repeat, lambda i: dc.save(ours_state_dict(local), path(i), sharded_strategy=strategy)
+    )
+    request = ours_state_dict({k: torch.empty_like(t) for k, t in local.items()})
+    load = best_of(repeat, lambda i: dc.load(request, path(i)))
+    loaded = dc.load(request, path(0))
+    mismatched = [k for k, t in local.items() if not torch.equal(loaded[k], t)]
+    if mismatched:
+        raise RuntimeError(f"rank {rank()}: loaded values differ for {mismatched[:5]}")
+    return {"save": save, "load": load}
+
+
 def run_case(name: str, args: argparse.Namespace, root: str, mesh: object) -> None:
     local = make_case(name, args.size_mib, args.small)
     nbytes_rank = sum(t.numel() * t.element_size() for t in local.values())
     total = torch.tensor([nbytes_rank], dtype=torch.int64)
     dist.all_reduce(total)
     nbytes = int(total)
-    dirs = {m: os.path.join(root, f"{name}_{m}") for m in ("raw", "dcp", "ours")}
+    repeat = args.repeat
+
+    def path(method: str, i: int) -> str:
+        return os.path.join(root, f"{name}_{method}_{i}")
+
     if rank() == 0:
-        for d in dirs.values():
-            os.makedirs(d)
+        for method in ("raw", "dcp", "ours"):
+            for i in range(repeat):
+                os.makedirs(path(method, i))
     dist.barrier()
-    results: dict[str, dict[str, Measurement]] = {m: {} for m in dirs}
+    results: dict[str, dict[str, Measurement]] = {m: {} for m in ("raw", "dcp", "ours")}
 
-    blob = raw_blob(list(local.values()))
-    with measured() as m:
-        raw_write(dirs["raw"], blob, THREAD_COUNT)
-    results["raw"]["save"] = m[0]
-    del blob
-    with measured() as m:
-        raw_read(dirs["raw"], nbytes_rank, THREAD_COUNT)
-    results["raw"]["load"] = m[0]
+    results["raw"] = measure_raw(local, repeat, partial(path, "raw"), nbytes_rank)
+    results["dcp"] = measure_dcp(local, repeat, partial(path, "dcp"), mesh)
+    results["ours"] = measure_ours(local, repeat, partial(path, "ours"))
 
-    with measured() as m:
-        dcp.save(dcp_state_dict(local, mesh), checkpoint_id=dirs["dcp"])
-    results["dcp"]["save"] = m[0]
-    target = dcp_state_dict({k: torch.empty_like(t) for k, t in local.items()}, mesh)
-    with measured() as m:
-        dcp.load(target, checkpoint_id=dirs["dcp"])
-    results["dcp"]["load"] = m[0]
-    del target
-
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=THREAD_COUNT)
-    with measured() as m:
-        dc.save(ours_state_dict(local), dirs["ours"], sharded_strategy=strategy)
-    results["ours"]["save"] = m[0]
-    request = ours_state_dict({k: torch.empty_like(t) for k, t in local.items()})
-    with measured() as m:
-        loaded = dc.load(request, dirs["ours"])
-    results["ours"]["load"] = m[0]
-    mismatched = [k for k, t in local.items() if not torch.equal(loaded[k], t)]
-    if mismatched:
-        raise RuntimeError(f"rank {rank()}: loaded values differ for {mismatched[:5]}")
-    del loaded, request
-
-    report(name, nbytes, len(local), results)
+    report(name, nbytes, len(local), results, repeat)
     dist.barrier()
     if rank() == 0:
-        for d in dirs.values():
-            shutil.rmtree(d)
+        for method in ("raw", "dcp", "ours"):
+            for i in range(repeat):
+                shutil.rmtree(path(method, i))
 
 
-def report(name: str, nbytes: int, count: int, r: dict[str, dict[str, Measurement]]) -> None:
+def report(
+    name: str, nbytes: int, count: int, r: dict[str, dict[str, Measurement]], repeat: int
+) -> None:
     log(
         f"\n== {name}: {fmt_mib(nbytes).strip()} in total, {count} tensors per rank, "
-        f"{world()} ranks, {THREAD_COUNT} files per rank =="
+        f"{world()} ranks, {THREAD_COUNT} files per rank, best of {repeat} =="
     )
     log(f"{'method':6} {'op':5} {'seconds':>8} {'throughput':>12} {'peak RSS/rank':>14}")
     for method, ops in r.items():
@@ -145,6 +179,7 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=10_000)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--cases", default="big,small")
+    parser.add_argument("--repeat", type=int, default=1, help="report the best of N runs")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world(),))
