@@ -172,6 +172,31 @@ def make_compute(kind: str, device: torch.device) -> Callable[[float], None]:
     return matmul
 
 
+def new_dir(root: str, name: str) -> str:
+    path = os.path.join(root, name)
+    if rank() == 0:
+        os.makedirs(path)
+    dist.barrier()  # a trainer makes the directory before the collective save
+    return path
+
+
+def remove_dir(path: str) -> None:
+    dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(path)
+
+
+def raw_once(local: dict[str, torch.Tensor], root: str, name: str, files: int) -> float:
+    """One raw-write baseline of this state (slowest rank, seconds)."""
+    path = new_dir(root, name)
+    blob = raw_blob([t.cpu() for t in local.values()])  # outside the timed region
+    with measured() as m:
+        raw_write(path, blob, files)
+    del blob
+    remove_dir(path)
+    return m[0].seconds
+
+
 @dataclass
 class SaveTimes:
     """One async save on this rank (perf_counter seconds)."""
@@ -191,15 +216,16 @@ class SaveTimes:
 
 
 @dataclass
-class Loop:
-    """What one caller kind's run measured (slowest rank per save)."""
+class Result:
+    """What one caller kind's run measured (slowest rank, seconds)."""
 
-    blocked: list[float]
+    blocked: list[float]  # per save of the loop
     save_part: list[float]
     schedule_part: list[float]
     background: list[float]
-    iso_blocked: float
-    iso_background: float
+    iso_blocked: list[float]  # per isolated save
+    iso_background: list[float]
+    iso_raw: list[float]  # the raw write measured just before each isolated save
     base_rss: int
     peak_rss: int
     peak_pss: int
@@ -207,7 +233,7 @@ class Loop:
 
 
 class Trainer:
-    """The simulated training loop of one caller kind."""
+    """The simulated training loop of one caller kind, then isolated saves."""
 
     def __init__(self, args: argparse.Namespace, local: dict[str, torch.Tensor], root: str):
         self.args = args
@@ -219,13 +245,7 @@ class Trainer:
         self.compute = make_compute(args.compute, local[next(iter(local))].device)
         self.times: dict[int, SaveTimes] = {}
         self.dirs: dict[int, str] = {}
-
-    def _new_dir(self, name: str) -> str:
-        path = os.path.join(self.root, name)
-        if rank() == 0:
-            os.makedirs(path)
-        dist.barrier()  # a real trainer makes the directory before the collective save
-        return path
+        self.keep = args.steps - 1  # the loop's last checkpoint is verified at the end
 
     def _save(self, queue: AsyncCallsQueue, path: str) -> int:
         times = SaveTimes(time.perf_counter())
@@ -238,58 +258,67 @@ class Trainer:
         self.dirs[idx] = path
         return idx
 
-    def _finalize(self, queue: AsyncCallsQueue, blocking: bool, keep: int) -> None:
+    def _finalize(self, queue: AsyncCallsQueue, blocking: bool) -> None:
         done = queue.maybe_finalize_async_calls(blocking=blocking)
         now = time.perf_counter()
         for idx in done:
             self.times[idx].finalized = now
-            if rank() == 0 and idx != keep:  # every rank is past this call's last barrier
+            if rank() == 0 and idx != self.keep:  # every rank is past the call's last barrier
                 shutil.rmtree(self.dirs[idx])
 
-    def run(self, name: str, persistent: bool) -> Loop:
+    def _loop(self, queue: AsyncCallsQueue, name: str) -> float:
         args = self.args
         iterations = max(1, round(args.compute_seconds / args.iter_seconds))
+        start = time.perf_counter()
+        for step in range(args.steps):
+            for _ in range(iterations):
+                self.compute(args.iter_seconds)
+                self._finalize(queue, blocking=False)
+            self._save(queue, new_dir(self.root, f"{name}_step{step}"))
+        self._finalize(queue, blocking=True)
+        return time.perf_counter() - start
+
+    def run(self, name: str, persistent: bool) -> Result:
+        args = self.args
         queue = AsyncCallsQueue(persistent=persistent)
         base_rss, _ = _tree_memory(psutil.Process(), pss=False)
-        start = time.perf_counter()
         with PeakMemory(args.memory_interval, args.pss) as memory:
-            for step in range(args.steps):
-                for _ in range(iterations):
-                    self.compute(args.iter_seconds)
-                    self._finalize(queue, blocking=False, keep=args.steps - 1)
-                self._save(queue, self._new_dir(f"{name}_step{step}"))
-            self._finalize(queue, blocking=True, keep=args.steps - 1)
-            seconds = time.perf_counter() - start
-            iso = self._save(queue, self._new_dir(f"{name}_isolated"))
-            self._finalize(queue, blocking=True, keep=-1)
+            seconds = self._loop(queue, name)
+        # Isolated saves, each right after a raw write of the same bytes (the disk's speed
+        # drifts on a shared machine; neighbouring measurements compare best).
+        iso, raw = [], []
+        for i in range(args.repeats):
+            raw.append(raw_once(self.local, self.root, f"{name}_raw{i}", args.thread_count))
+            iso.append(self._save(queue, new_dir(self.root, f"{name}_isolated{i}")))
+            self._finalize(queue, blocking=True)
         queue.close()
         if not args.no_verify:
-            verify(self.local, self.dirs[args.steps - 1])
-        dist.barrier()
-        if rank() == 0:
-            shutil.rmtree(self.dirs[args.steps - 1])
+            verify(self.local, self.dirs[self.keep])
+        remove_dir(self.dirs[self.keep])
         loop = [self.times[i] for i in range(args.steps)]
-        per_save = max_over_ranks(
+        n, r = args.steps, args.repeats
+        values = max_over_ranks(
             [t.blocked for t in loop]
             + [t.saved - t.start for t in loop]
             + [t.scheduled - t.saved for t in loop]
             + [t.background for t in loop]
-            + [self.times[iso].blocked, self.times[iso].background, seconds]
-            + [float(base_rss), float(memory.rss), float(memory.pss)]
+            + [self.times[i].blocked for i in iso]
+            + [self.times[i].background for i in iso]
+            + [seconds, float(base_rss), float(memory.rss), float(memory.pss)]
         )
-        n = args.steps
-        self.times.clear()
-        return Loop(
-            blocked=per_save[:n],
-            save_part=per_save[n : 2 * n],
-            schedule_part=per_save[2 * n : 3 * n],
-            background=per_save[3 * n : 4 * n],
-            iso_blocked=per_save[4 * n],
-            iso_background=per_save[4 * n + 1],
-            seconds=per_save[4 * n + 2],
-            base_rss=int(per_save[4 * n + 3]),
-            peak_rss=int(per_save[4 * n + 4]),
-            peak_pss=int(per_save[4 * n + 5]),
+        tail = values[4 * n + 2 * r :]
+        return Result(
+            blocked=values[:n],
+            save_part=values[n : 2 * n],
+            schedule_part=values[2 * n : 3 * n],
+            background=values[3 * n : 4 * n],
+            iso_blocked=values[4 * n : 4 * n + r],
+            iso_background=values[4 * n + r : 4 * n + 2 * r],
+            iso_raw=raw,
+            seconds=tail[0],
+            base_rss=int(tail[1]),
+            peak_rss=int(tail[2]),
+            peak_pss=int(tail[3]),
         )
 
 
@@ -308,88 +337,104 @@ def _pct(part: float, whole: float) -> str:
     return f"{100 * part / whole:5.1f}%"
 
 
-def report(
-    name: str, r: Loop, nbytes: int, sync_s: float, raw_s: float, args: argparse.Namespace
-) -> None:
+@dataclass
+class Baselines:
+    """Raw writes and synchronous saves, measured in pairs (slowest rank, seconds)."""
+
+    raw: list[float]
+    sync: list[float]
+    sync_rss: int
+
+    @property
+    def sync_s(self) -> float:
+        return statistics.median(self.sync)
+
+    @property
+    def raw_s(self) -> float:
+        return statistics.median(self.raw)
+
+
+def baselines(local: dict[str, torch.Tensor], root: str, args: argparse.Namespace) -> Baselines:
+    """A warm-up of each, then ``--repeats`` pairs (raw write, synchronous save)."""
+    strategy = TorchDistSaveShardedStrategy(thread_count=args.thread_count)
+    raw, sync, peak = [], [], 0
+    for i in range(args.repeats + 1):
+        raw_s = raw_once(local, root, f"raw{i}", args.thread_count)
+        path = new_dir(root, f"sync{i}")
+        with measured() as m:
+            dc.save(sharded(local), path, strategy)
+        remove_dir(path)
+        if i > 0:  # the first pair warms up (imports, first-call costs, the page cache)
+            raw.append(raw_s)
+            sync.append(m[0].seconds)
+            peak = max(peak, m[0].peak_rss)
+    return Baselines(raw, sync, peak)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.1f} ms"
+
+
+def _list(seconds: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in seconds) + "] s"
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:5.1f}%"
+
+
+def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
+
+
+def report(name: str, r: Result, nbytes: int, base: Baselines, args: argparse.Namespace) -> None:
+    sync_s, raw_s = base.sync_s, base.raw_s
     log(f"\n-- {name} caller: {args.steps} saves in a loop of {r.seconds:.1f} s --")
     log(
         f"{'save':>5} {'blocked':>11} {'= save()':>11} {'+ schedule':>11} {'% sync':>7} "
         f"{'background':>11} {'throughput':>11} {'% raw':>7}"
     )
-    rows = [(str(i), i) for i in range(args.steps)] + [("iso", -1)]
-    for label, i in rows:
-        blocked = r.blocked[i] if i >= 0 else r.iso_blocked
-        background = r.background[i] if i >= 0 else r.iso_background
-        parts = f"{_ms(r.save_part[i])} {_ms(r.schedule_part[i])}" if i >= 0 else " " * 23
+    for i in range(args.steps):
         log(
-            f"{label:>5} {_ms(blocked)} {parts} {_pct(blocked, sync_s):>7} {_ms(background)} "
-            f"{fmt_gbps(nbytes, background):>11} {_pct(raw_s, background):>7}"
+            f"{i:>5} {_ms(r.blocked[i])} {_ms(r.save_part[i])} {_ms(r.schedule_part[i])} "
+            f"{_pct(r.blocked[i], sync_s):>7} {_ms(r.background[i])} "
+            f"{fmt_gbps(nbytes, r.background[i]):>11} {_pct(raw_s, r.background[i]):>7}"
+        )
+    for i in range(args.repeats):  # % of the raw write measured just before
+        log(
+            f"{'iso' + str(i):>5} {_ms(r.iso_blocked[i])} {'':23} "
+            f"{_pct(r.iso_blocked[i], sync_s):>7} {_ms(r.iso_background[i])} "
+            f"{fmt_gbps(nbytes, r.iso_background[i]):>11} "
+            f"{_pct(r.iso_raw[i], r.iso_background[i]):>7}"
         )
     # Save 0 pays one-time costs (the persistent worker's start, moving tensors to shared
-    # memory); the steady state is saves 1.. .
-    steady = r.blocked[1:] or r.blocked
+    # memory); the steady state is saves 1.. and the isolated saves.
+    steady = (r.blocked[1:] or r.blocked) + r.iso_blocked
     blocked = statistics.median(steady)
     met = "met" if blocked <= BLOCKED_TARGET * sync_s else "MISSED"
     log(
-        f"blocked per save, saves 1..{args.steps - 1}: median {_ms(blocked).strip()} = "
+        f"blocked per save (median of saves 1.. and iso): {_ms(blocked).strip()} = "
         f"{_pct(blocked, sync_s).strip()} of the sync save (max {_ms(max(steady)).strip()}) "
         f"[target <= {BLOCKED_TARGET:.0%}: {met}]"
     )
-    background = statistics.median(r.background[1:] or r.background)
-    met = "met" if raw_s / r.iso_background >= THROUGHPUT_TARGET else "MISSED"
+    iso = _median_ratio(r.iso_raw, r.iso_background)
+    loop = raw_s / statistics.median(r.background[1:] or r.background)
+    met = "met" if iso >= THROUGHPUT_TARGET else "MISSED"
     log(
-        f"background throughput: isolated {_pct(raw_s, r.iso_background).strip()} of raw, "
-        f"in the loop (median, saves 1..) {_pct(raw_s, background).strip()} "
+        f"background throughput: isolated {100 * iso:.1f}% of raw (median of pairs), in the "
+        f"loop {100 * loop:.1f}% (median of saves 1.., against the median raw) "
         f"[target >= {THROUGHPUT_TARGET:.0%}: {met} (isolated)]"
     )
     if args.memory_interval > 0:
         pss = f", peak PSS {fmt_mib(r.peak_pss).strip()}" if args.pss else ""
         log(
-            f"memory per rank (largest): before {fmt_mib(r.base_rss).strip()}, peak RSS "
-            f"{fmt_mib(r.peak_rss).strip()}{pss} (rank with its children, sampled every "
-            f"{args.memory_interval:g} s)"
+            f"memory per rank (largest, loop only): before {fmt_mib(r.base_rss).strip()}, "
+            f"peak RSS {fmt_mib(r.peak_rss).strip()}{pss} (rank with its children, sampled "
+            f"every {args.memory_interval:g} s)"
         )
 
 
 # --------------------------------------------------------------------------- main
-
-
-def _timed_repeats(
-    root: str, name: str, repeats: int, fn: Callable[[str], None]
-) -> tuple[list[float], int]:
-    """Run ``fn(directory)`` once to warm up, then ``repeats`` times measured (each in a fresh
-    directory, removed afterwards): (seconds of each, slowest rank; largest peak RSS)."""
-    seconds, peak = [], 0
-    for i in range(repeats + 1):
-        path = os.path.join(root, f"{name}{i}")
-        if rank() == 0:
-            os.makedirs(path)
-        dist.barrier()
-        with measured() as m:
-            fn(path)
-        if i > 0:
-            seconds.append(m[0].seconds)
-            peak = max(peak, m[0].peak_rss)
-        dist.barrier()
-        if rank() == 0:
-            shutil.rmtree(path)
-    return seconds, peak
-
-
-def baselines(
-    local: dict[str, torch.Tensor], root: str, args: argparse.Namespace
-) -> tuple[list[float], list[float], int]:
-    """(raw write seconds, sync save seconds, sync save peak RSS): slowest rank, per repeat."""
-    blob = raw_blob([t.cpu() for t in local.values()])
-    raw, _ = _timed_repeats(
-        root, "raw", args.repeats, lambda path: raw_write(path, blob, args.thread_count)
-    )
-    blob.clear()  # not `del`: the lambda above holds it
-    strategy = TorchDistSaveShardedStrategy(thread_count=args.thread_count)
-    sync, sync_rss = _timed_repeats(
-        root, "sync", args.repeats, lambda path: dc.save(sharded(local), path, strategy)
-    )
-    return raw, sync, sync_rss
 
 
 def parse_args() -> argparse.Namespace:
@@ -403,7 +448,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--thread-count", type=int, default=2, help="files per rank")
     parser.add_argument("--cached-metadata", action="store_true")
     parser.add_argument("--callers", default="temporal,persistent")
-    parser.add_argument("--repeats", type=int, default=3, help="of each baseline (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="baseline and isolated pairs")
     parser.add_argument("--memory-interval", type=float, default=0.02, help="seconds, 0: off")
     parser.add_argument("--pss", action="store_true", help="also sample PSS (perturbs timings)")
     parser.add_argument("--no-verify", action="store_true", help="skip the load check")
@@ -438,28 +483,31 @@ def main() -> None:
             total = torch.tensor([nbytes_rank], dtype=torch.int64)
             dist.all_reduce(total)
             nbytes = int(total)
-            raw, sync, sync_rss = baselines(local, root, args)
-            raw_s, sync_s = statistics.median(raw), statistics.median(sync)
+            base = baselines(local, root, args)
             log(
                 f"== async save: {fmt_mib(nbytes).strip()} in total, {TENSORS} tensors per rank "
                 f"on {args.device}, {world()} ranks, {args.thread_count} files per rank, "
                 f"{args.steps} steps of {args.compute_seconds:g} s ({args.compute}) =="
             )
             log(
-                f"raw write: median {raw_s:.3f} s ({fmt_gbps(nbytes, raw_s).strip()}) of "
-                f"{_list(raw)}; sync save: median {sync_s:.3f} s "
-                f"({fmt_gbps(nbytes, sync_s).strip()}, {_pct(raw_s, sync_s).strip()} of raw) of "
-                f"{_list(sync)}, peak RSS {fmt_mib(sync_rss).strip()} per rank"
+                f"raw write: median {base.raw_s:.3f} s ({fmt_gbps(nbytes, base.raw_s).strip()}) "
+                f"of {_list(base.raw)}; sync save: median {base.sync_s:.3f} s "
+                f"({fmt_gbps(nbytes, base.sync_s).strip()}) of {_list(base.sync)}, "
+                f"{100 * _median_ratio(base.raw, base.sync):.1f}% of raw (median of pairs), "
+                f"peak RSS {fmt_mib(base.sync_rss).strip()} per rank"
             )
-            results: dict[str, Loop] = {}
+            results: dict[str, Result] = {}
             for name in args.callers.split(","):
                 results[name] = Trainer(args, local, root).run(name, CALLERS[name])
-                report(name, results[name], nbytes, sync_s, raw_s, args)
+                report(name, results[name], nbytes, base, args)
             if {"temporal", "persistent"} <= set(results):
-                med = {n: statistics.median(r.blocked[1:] or r.blocked) for n, r in results.items()}
+                med = {
+                    n: statistics.median((r.blocked[1:] or r.blocked) + r.iso_blocked)
+                    for n, r in results.items()
+                }
                 verdict = "met" if med["persistent"] < med["temporal"] else "MISSED"
                 log(
-                    f"\nblocked per save (median, saves 1..): persistent "
+                    f"\nblocked per save (median of saves 1.. and iso): persistent "
                     f"{_ms(med['persistent']).strip()}, temporal {_ms(med['temporal']).strip()} "
                     f"[target: persistent below temporal: {verdict}]"
                 )

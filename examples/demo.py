@@ -165,7 +165,7 @@ def worker(phase: str, ckpt: str, tp: int, saved_tp: int) -> None:
         what = "saved" if phase == "save" else f"loaded and checked {checked} values per rank"
         print(
             f"[{phase} tp={tp}] {what}: {keys} tensors, {size / 1e6:.1f} MB on disk, "
-            f"{seconds:.2f} s, {size / seconds / 1e6:.1f} MB/s (mostly process start-up at this size)",
+            f"{seconds:.2f} s, {size / seconds / 1e6:.1f} MB/s (at this size mostly one-time imports)",
             flush=True,
         )
     dist.destroy_process_group()

@@ -11,16 +11,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copyreg
 import dataclasses
+import enum
+import gc
+import importlib
 import io
 import json
+import logging
 import os
 import pickle
 import struct
 import subprocess
 import sys
+import time
 import types
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -483,6 +491,7 @@ def _op_str(text: str) -> bytes:
 
 
 _MD = "torch.distributed.checkpoint.metadata"
+_DCP_PLANNER = "torch.distributed.checkpoint.planner"
 
 
 def test_build_on_allowlisted_class_is_refused() -> None:
@@ -570,6 +579,426 @@ def test_metadata_of_wrong_type_is_corrupt() -> None:
         load_metadata(io.BytesIO(pickle.dumps({"a": 1})), source="m")
     with pytest.raises(CorruptCheckpointError, match="m2"):
         load_metadata(io.BytesIO(b"not a pickle at all"), source="m2")
+
+
+# --------------------------------------------------------------------------- fast unpickler
+#
+# load_metadata reads with pickle's C unpickler and lets the checked pure-Python one decide
+# any file the C one declines (logged at DEBUG). These tests check that real metadata takes
+# the fast path, that its result is exactly plain pickle's, and that no pickle can use the
+# fast path to change anything outside the load (the attacks the C unpickler cannot gate).
+
+_LOGGER = "dist_checkpointing.safe_load"
+_DECLINED = "checked unpickling"
+
+
+def _load_fast_only(raw: bytes, caplog: pytest.LogCaptureFixture, source: str = "x") -> Any:
+    """load_metadata(raw), asserting that the fast unpickler produced the result."""
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger=_LOGGER):
+        loaded = load_metadata(io.BytesIO(raw), source=source)
+    assert not [r for r in caplog.records if _DECLINED in r.getMessage()], caplog.text
+    return loaded
+
+
+def _load_declined(raw: bytes, caplog: pytest.LogCaptureFixture) -> Any:
+    """load_metadata(raw), asserting that the checked unpickler decided it."""
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger=_LOGGER):
+        loaded = load_metadata(io.BytesIO(raw), source="x")
+    assert [r for r in caplog.records if _DECLINED in r.getMessage()]
+    return loaded
+
+
+def _large_metadata(n: int) -> Any:
+    """A Metadata shaped like a real checkpoint's: n tensors in two chunks each."""
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, StorageInfo] = {}
+    for i in range(n):
+        key = f"layers.{i // 8}.w{i % 8}"
+        chunks = []
+        for rank in range(2):
+            offsets = torch.Size([rank * 4, 0])
+            chunks.append(ChunkStorageMetadata(offsets, torch.Size([4, 8])))
+            storage[MetadataIndex(key, offsets, rank)] = StorageInfo(f"__{rank}_0.distcp", i, 9)
+        props = TensorProperties(dtype=torch.bfloat16 if i % 2 else torch.float32)
+        sdm[key] = TensorStorageMetadata(props, torch.Size([8, 8]), chunks)
+    sdm["blob"] = BytesStorageMetadata()
+    return Metadata(
+        sdm,
+        planner_data={k: tuple(k.split(".")) for k in sdm},
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=Path("/ckpt"), save_id="s", modules=["m"]),
+        version="1.0.0",
+    )
+
+
+@pytest.mark.parametrize("case", GOLDEN_CASES)
+def test_golden_metadata_takes_the_fast_path(case: str, caplog: pytest.LogCaptureFixture) -> None:
+    ckpt, _ = _case(case)
+    raw = (ckpt / ".metadata").read_bytes()
+    loaded = _load_fast_only(raw, caplog)
+    # The checked unpickler (forced by a registered copyreg extension) agrees exactly.
+    with _extension_registered("os", "getcwd", _PRIVATE_EXT_CODE):
+        checked = load_metadata(io.BytesIO(raw), source="x")
+    assert loaded == checked and vars(loaded).keys() == vars(checked).keys()
+    assert loaded.storage_data == checked.storage_data
+    assert loaded.all_local_plans == checked.all_local_plans
+    assert [type(p) for p in loaded.all_local_plans] == [type(p) for p in checked.all_local_plans]
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_fast_path_result_is_plain_picklers(
+    protocol: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    md = _large_metadata(300)
+    md.all_local_plans = _sample_metadata().all_local_plans
+    loaded = _load_fast_only(pickle.dumps(md, protocol=protocol), caplog)
+    assert loaded == md and loaded.storage_data == md.storage_data
+    assert loaded.planner_data == md.planner_data and loaded.all_local_plans == md.all_local_plans
+    # Every object is of its real class (no per-load stand-in class is left behind) and
+    # shared singletons are the process's own.
+    assert type(loaded) is Metadata and type(loaded.storage_meta) is StorageMeta
+    assert type(loaded.storage_meta.checkpoint_id) is type(Path("/ckpt"))
+    for item in loaded.state_dict_metadata.values():
+        assert type(item) in (TensorStorageMetadata, BytesStorageMetadata)
+        if type(item) is TensorStorageMetadata:
+            assert type(item.properties) is TensorProperties
+            assert item.properties.memory_format is torch.contiguous_format
+            assert {type(c) for c in item.chunks} == {ChunkStorageMetadata}
+    assert {type(k) for k in loaded.storage_data} == {MetadataIndex}
+    assert {type(v) for v in loaded.storage_data.values()} == {StorageInfo}
+    index = MetadataIndex("layers.0.w1", [4, 0])
+    assert loaded.storage_data[index].relative_path == "__1_0.distcp"  # hashes still agree
+    (plan,) = loaded.all_local_plans
+    assert type(plan) is SavePlan and plan.items[0].type is WriteItemType.SHARD
+    assert plan.items[1].type is WriteItemType.BYTE_IO
+
+
+def test_fast_path_keeps_shared_and_cyclic_objects(caplog: pytest.LogCaptureFixture) -> None:
+    md = _sample_metadata()
+    loop: list[Any] = ["x"]
+    loop.append(loop)
+    shared = StorageMeta(save_id="same")
+    md.planner_data = {"loop": loop, "a": shared, "b": [shared, shared]}
+    loaded = _load_fast_only(pickle.dumps(md), caplog)
+    assert loaded.planner_data["loop"][1] is loaded.planner_data["loop"]
+    a, b = loaded.planner_data["a"], loaded.planner_data["b"]
+    assert type(a) is StorageMeta and a is b[0] is b[1] and a.save_id == "same"
+
+
+@pytest.mark.parametrize(
+    "planner_data",
+    [
+        (WriteItemType.SHARD, Path("/p")),  # enum member and path inside a tuple
+        {WriteItemType.TENSOR: 1},  # enum member as a dict key
+        {"cls": Metadata, "size": torch.Size},  # classes as plain values
+    ],
+    ids=["tuple", "dict-key", "classes"],
+)
+def test_unusual_metadata_is_decided_by_the_checked_unpickler(
+    planner_data: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    md = _sample_metadata()
+    md.planner_data = planner_data
+    raw = pickle.dumps(md)
+    loaded = _load_declined(raw, caplog)
+    assert loaded == pickle.loads(raw) and loaded.planner_data == planner_data
+    shared = [*loaded.planner_data, *_values(loaded.planner_data)]
+    assert any(
+        v is WriteItemType.SHARD or v is WriteItemType.TENSOR or v is Metadata for v in shared
+    )
+
+
+def _values(data: Any) -> list[Any]:
+    return list(data.values()) if isinstance(data, dict) else list(data)
+
+
+@pytest.mark.parametrize("initially_enabled", [True, False])
+def test_garbage_collector_state_is_restored(initially_enabled: bool) -> None:
+    raw = pickle.dumps(_large_metadata(50))
+    was = gc.isenabled()
+    try:
+        gc.enable() if initially_enabled else gc.disable()
+        load_metadata(io.BytesIO(raw), source="x")
+        assert gc.isenabled() is initially_enabled
+        with pytest.raises(UnsafeCheckpointError):
+            load_metadata(io.BytesIO(_global_call("os", "system", "true")), source="x")
+        assert gc.isenabled() is initially_enabled
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+def test_fast_path_is_several_times_faster() -> None:
+    raw = pickle.dumps(_large_metadata(2000))
+
+    def best_of_3() -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            load_metadata(io.BytesIO(raw), source="x")
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    fast = best_of_3()
+    with _extension_registered("os", "getcwd", _PRIVATE_EXT_CODE):  # forces the checked path
+        checked = best_of_3()
+    assert checked > 2.5 * fast, (fast, checked)  # about 6x when measured
+
+
+# ----- attacks on what a pickle can reach
+
+
+def _resolve(name: str) -> Any:
+    if name == MCORE_SAVE_PLAN_GLOBAL:
+        return LegacyMCoreSavePlan
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _attribute_snapshot(obj: Any) -> dict[str, Any]:
+    attrs: dict[str, Any] = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+    for special in ("__bases__", "__name__", "__qualname__", "__defaults__", "__kwdefaults__"):
+        if hasattr(obj, special):
+            attrs[special] = getattr(obj, special)
+    return attrs
+
+
+def _process_state() -> dict[str, dict[str, Any]]:
+    """The attributes of everything a metadata pickle can name, and of enum members."""
+    state = {}
+    for name in allowed_metadata_globals():
+        obj = _resolve(name)
+        state[name] = _attribute_snapshot(obj)
+        if isinstance(obj, type) and issubclass(obj, enum.Enum):
+            for member in obj:
+                state[f"{name}.{member.name}"] = _attribute_snapshot(member)
+    for cls in (OrderedDict, torch.Size, set, frozenset, Path, type(Path("/"))):
+        state[cls.__qualname__] = _attribute_snapshot(cls)
+    return state
+
+
+def _assert_state_unchanged(before: dict[str, dict[str, Any]]) -> None:
+    after = _process_state()
+    assert after.keys() == before.keys()
+    for name, attrs in before.items():
+        assert after[name].keys() == attrs.keys(), name
+        # (Built-in types make a new str for __name__ on each access: those compare equal.)
+        changed = [k for k, v in attrs.items() if after[name][k] is not v and after[name][k] != v]
+        assert not changed, (name, changed)
+
+
+def _ops_global(name: str) -> bytes:
+    module, _, attr = name.rpartition(".")
+    return _op_global(module, attr)
+
+
+_SLOT_STATE_ON_TOP = b"N}" + _op_str("__repr__") + _op_str("pwned") + b"s\x86b"
+
+
+@pytest.mark.parametrize("name", allowed_metadata_globals())
+def test_build_on_any_allowed_global_changes_nothing(name: str) -> None:
+    before = _process_state()
+    attacks = [
+        # slot state: setattr on the object itself (a class: for the whole process)
+        b"\x80\x02" + _ops_global(name) + _SLOT_STATE_ON_TOP + b".",
+        # dict state: its __dict__
+        b"\x80\x02" + _ops_global(name) + b"}" + _op_str("marker") + b"K\x01sb.",
+        # slot state replacing the bases, then the class used again in the same pickle
+        b"\x80\x02"
+        + _ops_global(name)
+        + b"N}"
+        + _op_str("__bases__")
+        + _ops_global(f"{_MD}.StorageMeta")
+        + b"\x85s\x86b0"
+        + _ops_global(name)
+        + b")\x81.",
+    ]
+    for raw in attacks:
+        with pytest.raises(UnsafeCheckpointError, match="the/.metadata") as info:
+            load_metadata(io.BytesIO(raw), source="the/.metadata")
+        assert "setting the state of" in str(info.value)
+        _assert_state_unchanged(before)
+
+
+def _reduce(name: str, *args: bytes) -> bytes:
+    tuple_op = {0: b")", 1: b"\x85", 2: b"\x86", 3: b"\x87"}[len(args)]
+    return _ops_global(name) + b"".join(args) + tuple_op + b"R"
+
+
+def _int_op(value: int) -> bytes:
+    return b"K" + bytes([value])
+
+
+_MEM_FORMAT = type(TensorProperties().__getstate__()[3])
+
+
+@pytest.mark.parametrize(
+    "make_shared",
+    [
+        _reduce(f"{_DCP_PLANNER}.WriteItemType", _int_op(WriteItemType.SHARD.value)),
+        _reduce(f"{_MEM_FORMAT.__module__}.{_MEM_FORMAT.__qualname__}", _int_op(0)),
+        _reduce("torch.serialization._get_layout", _op_str("torch.strided")),
+        _reduce("pathlib.PurePosixPath", _op_str("/a")),
+        _reduce("torch.Size", b")"),
+        _ops_global("torch.float32"),
+        _ops_global("builtins.object"),
+    ],
+    ids=["enum-member", "mem-format-member", "layout", "path", "size", "dtype", "object"],
+)
+@pytest.mark.parametrize(
+    "build",
+    [
+        b"}" + _op_str("_value_") + _int_op(99) + b"sb",  # dict state
+        _SLOT_STATE_ON_TOP,  # slot state (setattr)
+        b"N}" + _op_str("__class__") + _ops_global(f"{_MD}.StorageMeta") + b"s\x86b",
+    ],
+    ids=["dict-state", "slot-state", "class-swap"],
+)
+def test_build_on_shared_objects_is_refused(make_shared: bytes, build: bytes) -> None:
+    before = _process_state()
+    before_members = [(m, dict(vars(m))) for e in (WriteItemType, _MEM_FORMAT) for m in e]
+    raw = b"\x80\x02" + make_shared + build + b"."
+    with pytest.raises(UnsafeCheckpointError, match="setting the state of|slot state"):
+        load_metadata(io.BytesIO(raw), source="f")
+    _assert_state_unchanged(before)
+    for member, attrs in before_members:
+        assert vars(member) == attrs and type(member) in (WriteItemType, _MEM_FORMAT)
+    assert WriteItemType(WriteItemType.SHARD.value) is WriteItemType.SHARD
+
+
+def _new(name: str) -> bytes:
+    return _ops_global(name) + b")\x81"
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        # an instance changing its class through slot state
+        (
+            _new(f"{_MD}.Metadata")
+            + b"N}"
+            + _op_str("__class__")
+            + _ops_global(f"{_MD}.StorageMeta")
+            + b"s\x86b",
+            "slot state",
+        ),
+        # an instance's __dict__ replaced through slot state
+        (_new(f"{_MD}.Metadata") + b"N}" + _op_str("__dict__") + b"}s\x86b", "slot state"),
+        # BUILD puts __setstate__ in an instance dict, a second BUILD would call it
+        (
+            _new(f"{_MD}.StorageMeta")
+            + b"}"
+            + _op_str("__setstate__")
+            + _ops_global("builtins.set")
+            + b"sb]b",
+            "__setstate__",
+        ),
+        # an instance attribute named like a container method, then a container opcode
+        (
+            _new(f"{_MD}.StorageMeta")
+            + b"}"
+            + _op_str("append")
+            + _ops_global("builtins.set")
+            + b"sb]a",
+            "APPEND on",
+        ),
+        # plain data under a special-method name (later copy/pickle calls would look it up)
+        (
+            _new(f"{_MD}.Metadata")
+            + b"}"
+            + _op_str("state_dict_metadata")
+            + b"}s"
+            + _op_str("__reduce_ex__")
+            + _op_str("x")
+            + b"sb",
+            "attribute names",
+        ),
+        # an attribute name that is not a str
+        (_new(f"{_MD}.Metadata") + b"}" + _int_op(1) + _int_op(2) + b"sb", "attribute names"),
+        # the same on an OrderedDict inside valid metadata
+        (
+            _new(f"{_MD}.Metadata")
+            + b"}"
+            + _op_str("state_dict_metadata")
+            + b"}s"
+            + _op_str("planner_data")
+            + _reduce("collections.OrderedDict")
+            + b"}"
+            + _op_str("__deepcopy__")
+            + b"Nsbsb",
+            "attribute names",
+        ),
+        # copyreg._reconstructor with a base other than object
+        (
+            _reduce(
+                "copyreg._reconstructor",
+                _ops_global(f"{_MD}.StorageMeta"),
+                _ops_global("builtins.set"),
+                b"N",
+            ),
+            "copyreg._reconstructor",
+        ),
+    ],
+    ids=[
+        "class-swap",
+        "dict-swap",
+        "setstate-hijack",
+        "append-hijack",
+        "dunder-data",
+        "non-str-name",
+        "ordered-dict-dunder",
+        "reconstructor-base",
+    ],
+)
+def test_instance_attacks_are_refused(raw: bytes, expected: str) -> None:
+    before = _process_state()
+    with pytest.raises(UnsafeCheckpointError, match=expected):
+        load_metadata(io.BytesIO(b"\x80\x02" + raw + b"."), source="f")
+    _assert_state_unchanged(before)
+
+
+_PRIVATE_EXT_CODE = 0xF1  # copyreg reserves 240-255 for private use
+
+
+@contextlib.contextmanager
+def _extension_registered(module: str, name: str, code: int) -> Iterator[None]:
+    copyreg.add_extension(module, name, code)
+    try:
+        yield
+    finally:
+        copyreg.remove_extension(module, name, code)
+
+
+def test_registered_extension_code_cannot_bypass_the_allowlist(tmp_path: Path) -> None:
+    # With a code registered and cached (by an earlier plain unpickling), the C unpickler
+    # would resolve it without find_class: load_metadata must not take that path.
+    marker = tmp_path / "MARKER"
+    ext = b"\x82" + bytes([_PRIVATE_EXT_CODE])
+    raw = b"\x80\x02" + ext + _op_str(f"touch {marker}") + b"\x85R."
+    with _extension_registered(os.system.__module__, "system", _PRIVATE_EXT_CODE):
+        assert pickle.loads(b"\x80\x02" + ext + b".") is os.system  # now cached
+        with pytest.raises(UnsafeCheckpointError, match="extension") as info:
+            load_metadata(io.BytesIO(raw), source="dir/.metadata")
+        assert "dir/.metadata" in str(info.value)
+    assert not marker.exists()
+
+
+def test_sharing_that_would_make_the_walk_exponential(caplog: pytest.LogCaptureFixture) -> None:
+    # 64 levels of StorageMeta, each holding the one below twice: 2**64 paths, 65 objects.
+    raw = b"\x80\x02" + _new(f"{_MD}.StorageMeta") + b"q\x000"
+    for level in range(1, 65):
+        below = b"h" + bytes([level - 1])
+        raw += _new(f"{_MD}.StorageMeta") + b"}" + _op_str("save_id") + below + b"s"
+        raw += _op_str("load_id") + below + b"sbq" + bytes([level]) + b"0"
+    raw += _new(f"{_MD}.Metadata") + b"}" + _op_str("state_dict_metadata") + b"}s"
+    raw += _op_str("planner_data") + b"h" + bytes([64]) + b"sb."
+    start = time.perf_counter()
+    loaded = _load_declined(raw, caplog)
+    assert time.perf_counter() - start < 10
+    top = loaded.planner_data
+    assert type(top) is StorageMeta and top.save_id is top.load_id
+    assert type(top.save_id) is StorageMeta and top.save_id.save_id is top.save_id.load_id
 
 
 # --------------------------------------------------------------------------- safe_torch_load

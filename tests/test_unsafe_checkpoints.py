@@ -150,6 +150,45 @@ def test_malicious_metadata_payload_is_live(ckpt: Path, marker: Path) -> None:
     assert marker.exists()
 
 
+def _class_mutating_metadata(ckpt_dir: Path) -> bytes:
+    """A valid Metadata pickle preceded by ops that set ``Metadata.__eq__`` for the process."""
+    valid = pickle.dumps(FileSystemReader(str(ckpt_dir)).read_metadata(), protocol=2)
+    name = b"__eq__"
+    mutate = (
+        b"ctorch.distributed.checkpoint.metadata\nMetadata\n"
+        + b"N}X"
+        + len(name).to_bytes(4, "little")
+        + name
+        + b"cbuiltins\nset\ns\x86b0"  # BUILD with slot state on the class, then POP
+    )
+    return b"\x80\x02" + mutate + valid[2:]
+
+
+def test_dot_metadata_cannot_change_a_class_for_the_process(ckpt: Path) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    eq_before = vars(Metadata)["__eq__"]
+    (ckpt / ".metadata").write_bytes(_class_mutating_metadata(ckpt))
+    with pytest.raises(UnsafeCheckpointError) as info:
+        dcp.load(_request(), ckpt)
+    msg = str(info.value)
+    assert "setting the state of class" in msg and "Metadata" in msg and ".metadata" in msg
+    assert vars(Metadata)["__eq__"] is eq_before
+
+
+def test_class_mutating_metadata_payload_is_live(ckpt: Path) -> None:
+    """Control: plain pickle does change the class (restored afterwards)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    eq_before = vars(Metadata)["__eq__"]
+    try:
+        pickle.loads(_class_mutating_metadata(ckpt))
+        assert vars(Metadata)["__eq__"] is set
+    finally:
+        Metadata.__eq__ = eq_before  # type: ignore[method-assign]
+    assert vars(Metadata)["__eq__"] is eq_before
+
+
 # ----------------------------------------------------------------------------- common.pt
 
 
