@@ -16,6 +16,7 @@ killed with SIGKILL mid-write, and a file size limit (RLIMIT_FSIZE).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import os
 import resource
@@ -607,14 +608,7 @@ def _rank_snapshot(root: Path, persistent: bool) -> list[str]:
     "persistent",
     [
         False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the persistent worker shares CPU tensors with the trainer (no copy at "
-                "staging), so in-place updates made before the write show up in the checkpoint",
-            ),
-        ),
+        True,
     ],
     ids=["temporal", "persistent"],
 )
@@ -641,18 +635,15 @@ def _rank_results_dir_after_failure(root: Path) -> bool:
     error, _ = _finalize_error(queue)
     assert error
     queue.close()
+    # The writer's results channel goes away with the last reference to the failed
+    # request (no finalize function runs for a failed call).
+    del request
+    gc.collect()
     leaked = results_dir.exists()
     shutil.rmtree(results_dir, ignore_errors=True)  # do not leave it behind in /tmp
     return leaked
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="when an async call fails (its process died), no rank runs the finalize "
-    "functions, and with them the writer's retrieve_write_results/close that removes its "
-    "FileResultsQueue directory: one /tmp/dist_ckpt_results_r<rank>_* directory (holding "
-    "the outcome pickle on ranks whose write succeeded) leaks per rank and failed save",
-)
 def test_failed_save_leaves_no_results_directory(tmp_path: Path) -> None:
     (tmp_path / "ckpt").mkdir()
     assert run_distributed(_rank_results_dir_after_failure, 2, tmp_path, timeout=60.0) == [

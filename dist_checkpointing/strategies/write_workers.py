@@ -22,6 +22,7 @@ import signal
 import tempfile
 import threading
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -354,6 +355,16 @@ class FileResultsQueue:
     def __init__(self, rank: int) -> None:
         self.directory = tempfile.mkdtemp(prefix=f"dist_ckpt_results_r{rank}_")
         self.path = os.path.join(self.directory, "outcome.pkl")
+        # Removed when this (the creating process's) object goes away, also when the
+        # save failed and nobody called close(); copies in workers do not remove it.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": self.directory, "path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cleanup = None
 
     def put(self, obj: Any) -> None:
         tmp = f"{self.path}.tmp"
@@ -378,7 +389,10 @@ class FileResultsQueue:
         return obj
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self._cleanup is not None:
+            self._cleanup()
+        else:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 __all__ = [
