@@ -51,11 +51,9 @@ Example:
 from __future__ import annotations
 
 import _compat_pickle
-import contextlib
 import copyreg
 import dataclasses
 import functools
-import gc
 import io
 import logging
 import os
@@ -63,7 +61,7 @@ import pathlib
 import pickle
 import re
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from itertools import chain, repeat
 from types import MappingProxyType
@@ -89,6 +87,7 @@ from torch.distributed.checkpoint.planner import (
 
 from dist_checkpointing._torch_compat import StorageInfo, StoragePrefix
 from dist_checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dist_checkpointing.utils import gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -884,23 +883,6 @@ def _load_fast(data: bytes, source: str) -> tuple[object, str | None]:
     return result, None
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a metadata pickle is rebuilt.
-
-    A large ``.metadata`` creates hundreds of thousands of tracked objects; each full
-    collection this triggers re-scans the whole heap (torch alone holds ~250k objects),
-    which made loads several times slower. The collector runs again right after.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def load_metadata(fileobj: BinaryIO, *, source: str = "<.metadata>") -> Metadata:
     """Read a DCP ``.metadata`` pickle without executing anything from it.
 
@@ -923,7 +905,7 @@ def load_metadata(fileobj: BinaryIO, *, source: str = "<.metadata>") -> Metadata
         data = fileobj.read()
     except OSError as exc:
         raise CorruptCheckpointError(f"{source}: cannot read checkpoint metadata ({exc})") from exc
-    with _gc_paused():
+    with gc_paused():
         result, declined = _load_fast(data, source)
         if declined is not None:
             logger.debug("%s: checked unpickling of .metadata (%s)", source, declined)

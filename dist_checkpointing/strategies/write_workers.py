@@ -357,7 +357,9 @@ class FileResultsQueue:
         self.path = os.path.join(self.directory, "outcome.pkl")
         # Removed when this (the creating process's) object goes away, also when the
         # save failed and nobody called close(); copies in workers do not remove it.
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self._cleanup: weakref.finalize | None = weakref.finalize(
+            self, shutil.rmtree, self.directory, True
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {"directory": self.directory, "path": self.path}
