@@ -64,7 +64,14 @@ from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 TENSORS = 16
 COLS = 1024
-CALLERS = {"temporal": False, "persistent": True}
+# name -> (persistent, snapshot_cpu_tensors). "persistent-shared" hands the live CPU
+# tensors to the worker (no copy): valid only if training does not modify them before
+# the save is finalized (true for accelerator state, whose staged copies are private).
+CALLERS = {
+    "temporal": (False, True),
+    "persistent": (True, True),
+    "persistent-shared": (True, False),
+}
 BLOCKED_TARGET = 0.10  # of the synchronous save
 THROUGHPUT_TARGET = 0.80  # of the raw baseline
 
@@ -278,9 +285,10 @@ class Trainer:
         self._finalize(queue, blocking=True)
         return time.perf_counter() - start
 
-    def run(self, name: str, persistent: bool) -> Result:
+    def run(self, name: str, caller: tuple[bool, bool]) -> Result:
         args = self.args
-        queue = AsyncCallsQueue(persistent=persistent)
+        persistent, snapshot = caller
+        queue = AsyncCallsQueue(persistent=persistent, snapshot_cpu_tensors=snapshot)
         base_rss, _ = _tree_memory(psutil.Process(), pss=False)
         with PeakMemory(args.memory_interval, args.pss) as memory:
             seconds = self._loop(queue, name)
@@ -447,7 +455,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--thread-count", type=int, default=2, help="files per rank")
     parser.add_argument("--cached-metadata", action="store_true")
-    parser.add_argument("--callers", default="temporal,persistent")
+    parser.add_argument("--callers", default="temporal,persistent,persistent-shared")
     parser.add_argument("--repeats", type=int, default=3, help="baseline and isolated pairs")
     parser.add_argument("--memory-interval", type=float, default=0.02, help="seconds, 0: off")
     parser.add_argument("--pss", action="store_true", help="also sample PSS (perturbs timings)")

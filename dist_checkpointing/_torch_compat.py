@@ -70,7 +70,15 @@ def legacy_storage_name(dtype: torch.dtype) -> str | None:
     return names.get(dtype)
 
 
+def new_shared_tensor_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized CPU tensor like ``t`` whose storage is in shared memory from
+    the start (``share_memory_()`` on a fresh tensor would copy it once more)."""
+    storage = torch.UntypedStorage._new_shared(t.numel() * t.element_size())
+    return torch.empty(0, dtype=t.dtype).set_(storage).view(t.shape)
+
+
 __all__ = [
+    "new_shared_tensor_like",
     "DATA_FILE_SUFFIX",
     "DCP_VERSION",
     "METADATA_FILE_NAME",

@@ -628,3 +628,21 @@ def test_no_dist_finalizes_without_waiting_for_other_ranks(tmp_path: Path) -> No
     rank0, rank1 = run_distributed(_rank_no_dist, 2, tmp_path, timeout=60.0)
     assert rank0["finalized"] == [0]
     assert rank1["finalized"] == []
+
+
+def _rank_shared_mode(tmp: Path) -> dict[str, Any]:
+    """Persistent caller without snapshots: the caller's own tensor goes to shared memory."""
+    queue = AsyncCallsQueue(persistent=True, snapshot_cpu_tensors=False)
+    tensor = torch.full((1000,), 3.0)
+    queue.schedule_async_request(
+        AsyncRequest(_write_tensor, (str(tmp / f"shared_rank{dist.get_rank()}.txt"), tensor), [])
+    )
+    finalized = queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    return {"finalized": finalized, "shared": tensor.is_shared()}
+
+
+def test_persistent_without_snapshot_shares_the_live_tensor(tmp_path: Path) -> None:
+    (result,) = run_distributed(_rank_shared_mode, 1, tmp_path, timeout=60.0)
+    assert result == {"finalized": [0], "shared": True}
+    assert (tmp_path / "shared_rank0.txt").read_text().split(",")[0].startswith("3")

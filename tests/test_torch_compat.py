@@ -87,3 +87,11 @@ def test_sharded_tensor_classes() -> None:
     ]
     assert "dtype" in [f.name for f in dataclasses.fields(compat.TorchShardTensorProperties)]
     assert hasattr(compat.TorchShardedTensor, "_init_from_local_shards_and_global_metadata")
+
+
+def test_new_shared_tensor_like_is_shared_and_shaped() -> None:
+    src = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    t = compat.new_shared_tensor_like(src)
+    assert t.is_shared() and t.shape == src.shape and t.dtype == src.dtype
+    t.copy_(src)
+    assert torch.equal(t, src)
