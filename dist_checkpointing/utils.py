@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,3 +26,17 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a child process ended, for error messages ("was killed by signal SIGKILL")."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = str(-exitcode)
+        hint = " (file size limit exceeded)" if name == "SIGXFSZ" else ""
+        return f"was killed by signal {name}{hint}"
+    return f"exited with code {exitcode}"

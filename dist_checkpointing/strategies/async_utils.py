@@ -53,6 +53,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from .._torch_compat import new_shared_tensor_like
 from ..errors import CheckpointingException, CheckpointWriteError
+from ..utils import describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -289,17 +290,6 @@ def _truncate(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
     return f"{text[:half]}\n[... {len(text) - limit} characters cut ...]\n{text[-half:]}"
 
 
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "is still running"
-    if exitcode < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
-
-
 def _staged_args(request: AsyncRequest) -> tuple[Any, ...]:
     """Run the request's preload_fn (in this process) and return async_fn's args."""
     args = request.async_fn_args
@@ -489,9 +479,7 @@ class TemporalAsyncCaller(AsyncCaller):
             logger.debug("rank %d: call %d finished locally", _global_rank(), self._call_idx)
             return _CallStatus(self._call_idx, _State.DONE)
         if error is None:
-            error = (
-                f"async process (pid {pid}) {_describe_exit(exitcode)} before reporting a result"
-            )
+            error = f"async process (pid {pid}) {describe_exit(exitcode)} before reporting a result"
         return _CallStatus(self._call_idx, _State.FAILED, error)
 
     def _forget_current(self) -> None:
@@ -695,9 +683,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._drain_results()  # after the liveness check: catches results sent before death
         if alive:
             return
-        cause = (
-            f"persistent worker (pid {self.process.pid}) {_describe_exit(self.process.exitcode)}"
-        )
+        cause = f"persistent worker (pid {self.process.pid}) {describe_exit(self.process.exitcode)}"
         for ticket, call_idx in self._pending:
             if ticket not in self._known:
                 self._fail(ticket, call_idx, f"{cause} while call {call_idx} was pending")

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._torch_compat import StorageInfo
-from ..utils import gc_paused
+from ..utils import describe_exit, gc_paused
 from . import torch_save_zip
 from .fs_io import FileSystemIO, filesystem_for
 
@@ -204,19 +204,6 @@ def _bucket_worker(
     conn.close()
 
 
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "did not exit"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = str(-exitcode)
-        hint = " (file size limit exceeded)" if name == "SIGXFSZ" else ""
-        return f"was killed by signal {name}{hint}"
-    return f"exited with code {exitcode}"
-
-
 def _worker_context() -> Any:
     import multiprocessing
 
@@ -281,7 +268,7 @@ def _record_message(
     elif message is not None:
         _record_failure(outcome, idx, bucket, message[1], message[2])
     else:
-        cause = f"worker process {proc.pid} {_describe_exit(proc.exitcode)} without reporting"
+        cause = f"worker process {proc.pid} {describe_exit(proc.exitcode)} without reporting"
         _record_failure(outcome, idx, bucket, cause, None)
 
 
