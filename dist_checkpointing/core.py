@@ -73,7 +73,7 @@ def maybe_load_config(checkpoint_dir: str | Path) -> CheckpointingConfig | None:
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: str | Path) -> None:
     """Write ``metadata.json`` durably and atomically (it marks the checkpoint complete)."""
-    from .strategies.fs_io import filesystem_for
+    from .engine.storage.resolve import filesystem_for
 
     fs = filesystem_for(checkpoint_dir)
     fs.atomic_write(fs.join(str(checkpoint_dir), CONFIG_FNAME), json.dumps(asdict(config)).encode())

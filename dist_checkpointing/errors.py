@@ -64,6 +64,20 @@ class CheckpointWriteError(CheckpointingException, OSError):
     """Writing the checkpoint failed on some rank (worker error, disk full, ...)."""
 
 
+class RankFailureError(CheckpointingException):
+    """A collective step failed on other rank(s) of the group.
+
+    Raised on every rank that did not fail itself, so that no rank goes on into
+    the next collective while another gave up (a failing rank raises its own,
+    more specific exception). ``failures`` maps each failing global rank to a
+    description of its error.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
+
+
 class InvalidArgumentError(CheckpointingException, ValueError):
     """An argument of a public function has an invalid value (e.g. an unknown strict flag)."""
 
@@ -85,6 +99,7 @@ __all__ = [
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
     "CheckpointWriteError",
+    "RankFailureError",
     "InvalidArgumentError",
     "UnsupportedFeatureError",
 ]

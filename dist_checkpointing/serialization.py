@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from . import integrity
 from .core import CheckpointingConfig, maybe_load_config, save_config
 from .dict_utils import (
     dict_list_map_inplace,
@@ -26,6 +25,11 @@ from .dict_utils import (
     merge,
     nested_values,
 )
+from .engine.async_save.calls import AsyncRequest
+from .engine.checkpoint import integrity
+from .engine.collectives import raise_on_all_ranks
+from .engine.process import gc_paused
+from .engine.storage.resolve import filesystem_for
 from .errors import (
     CheckpointingException,
     CheckpointNotFoundError,
@@ -44,7 +48,6 @@ from .mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -54,15 +57,12 @@ from .strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
-from .strategies.fs_io import filesystem_for
-from .utils import gc_paused
 from .validation import (
     StrictHandling,
     apply_strict_handling,
     gather_shard_records,
     local_metadata_of,
     parse_strict_flag,
-    raise_on_all_ranks,
     validate_sharding_integrity_on_all_ranks,
 )
 
@@ -526,7 +526,7 @@ def remove_sharded_tensors(checkpoint_dir: str | Path, key_prefix: str) -> None:
 
 
 def _files_read_by(checkpoint_dir: str | Path, keys: set[str]) -> set[str]:
-    from .strategies.filesystem_reader import FileSystemReader
+    from .engine.storage.reader import FileSystemReader
 
     metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
     return {

@@ -17,11 +17,11 @@ from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from .dict_utils import extract_matching_values, nested_values
-from .errors import CheckpointingException, InvalidArgumentError, KeyMismatchError, ShardingError
+from .engine.collectives import RankGroup, describe_error
+from .errors import InvalidArgumentError, KeyMismatchError, ShardingError
 from .mapping import (
     ShardedBase,
     ShardedObject,
@@ -432,10 +432,10 @@ def gather_shard_records(
     local = [
         shard_record(sh) for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
     ]
-    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+    group = RankGroup(process_group)
+    if not group.distributed:
         return local, [local]
-    gathered: list = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, [tuple(r) for r in local], group=process_group)
+    gathered = group.all_gather([tuple(r) for r in local])
     return local, [[ShardRecord(*t) for t in rank_records] for rank_records in gathered]
 
 
@@ -444,57 +444,21 @@ def determine_global_metadata(
 ) -> tuple[LocalMetadata, GlobalMetadata]:
     """This rank's and every rank's metadata (an ``all_gather_object``)."""
     local = local_metadata_of(sharded_state_dict)
-    if not dist.is_initialized():
-        return local, [local]
-    gathered: list = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, local, group=process_group)
-    return local, gathered
-
-
-def raise_on_all_ranks(
-    local_error: BaseException | None,
-    process_group: dist.ProcessGroup | None = None,
-    what: str = "operation",
-) -> None:
-    """Make every rank raise if any rank had an error (one collective).
-
-    Each rank passes the exception it caught (or None). If any rank failed,
-    every rank raises: the failing ranks re-raise their own exception, the
-    others raise a :class:`CheckpointingException` that names the failing ranks
-    and their messages.
-    """
-    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
-        if local_error is not None:
-            raise local_error
-        return
-    flag = torch.tensor([0 if local_error is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag, group=process_group)
-    if int(flag.item()) == 0:
-        return
-    messages: list = [None] * dist.get_world_size(process_group)
-    mine = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-    dist.all_gather_object(messages, mine, group=process_group)
-    if local_error is not None:
-        raise local_error
-    failed = "\n".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
-    raise CheckpointingException(f"{what} failed on other rank(s):\n{failed}")
+    return local, RankGroup(process_group).all_gather(local)
 
 
 def validate_sharding_integrity_on_all_ranks(
     global_metadata: GlobalMetadata, process_group: dist.ProcessGroup | None = None
 ) -> None:
     """Check the sharding on the first rank of the group; every rank raises the same error."""
+    group = RankGroup(process_group)
     problems: list[str] | None = None
-    if not dist.is_initialized() or dist.get_rank(process_group) == 0:
+    if group.is_coordinator:
         try:
             problems = sharding_integrity_problems(global_metadata)
         except Exception as e:  # noqa: BLE001 - must reach the other ranks, not hang them
-            problems = [f"the sharding check itself failed: {type(e).__name__}: {e}"]
-    if dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        box = [problems]
-        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=process_group)
-        problems = box[0]
+            problems = [f"the sharding check itself failed: {describe_error(e)}"]
+    problems = group.broadcast(problems)
     if problems:
         validate_sharding_integrity_from_problems(problems)
 

@@ -33,12 +33,12 @@ import torch.distributed as dist
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
+from dist_checkpointing.engine.storage import write_workers
 from dist_checkpointing.errors import (
     CheckpointWriteError,
     IncompleteCheckpointError,
     UnsupportedFeatureError,
 )
-from dist_checkpointing.strategies import write_workers
 from dist_checkpointing.strategies.async_utils import (
     AsyncCallsQueue,
     AsyncRequest,

@@ -41,17 +41,18 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from dist_checkpointing._torch_compat import StorageInfo
+from dist_checkpointing.engine.safety.safe_load import load_metadata
+from dist_checkpointing.engine.storage import item_format as torch_save_zip
+from dist_checkpointing.engine.storage import resolve
+from dist_checkpointing.engine.storage import write_workers as ww
+from dist_checkpointing.engine.storage.write_workers import FileResultsQueue
 from dist_checkpointing.errors import CheckpointWriteError, UnsupportedFeatureError
-from dist_checkpointing.safe_load import load_metadata
 from dist_checkpointing.strategies import filesystem_async as fa
-from dist_checkpointing.strategies import fs_io, torch_save_zip
-from dist_checkpointing.strategies import write_workers as ww
 from dist_checkpointing.strategies.filesystem_async import (
     FileSystemWriterAsync,
     plan_buckets,
     split_by_size,
 )
-from dist_checkpointing.strategies.write_workers import FileResultsQueue
 from tests.harness import run_distributed
 
 GOLDEN = Path("/work/shared/golden")
@@ -585,7 +586,7 @@ def test_two_ranks(tmp_path: Path, use_async: bool) -> None:
 
 
 def test_atomic_write_replaces_and_leaves_no_temporary(tmp_path: Path) -> None:
-    fs = fs_io.filesystem_for(tmp_path)
+    fs = resolve.filesystem_for(tmp_path)
     target = str(tmp_path / "file")
     fs.atomic_write(target, b"old")
     fs.atomic_write(target, b"new contents")

@@ -26,17 +26,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from dist_checkpointing.engine.storage import item_format as tsz
+from dist_checkpointing.engine.storage import local as fs_io
+from dist_checkpointing.engine.storage import reader as fr
+from dist_checkpointing.engine.storage.item_format import parse_tensor_item
+from dist_checkpointing.engine.storage.reader import FileSystemReader, read_object_bytes
 from dist_checkpointing.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from dist_checkpointing.strategies import filesystem_reader as fr
-from dist_checkpointing.strategies import fs_io
-from dist_checkpointing.strategies import torch_save_zip as tsz
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-from dist_checkpointing.strategies.filesystem_reader import FileSystemReader, read_object_bytes
-from dist_checkpointing.strategies.torch_save_zip import parse_tensor_item
 from tests.harness import run_distributed
 
 GOLDEN = Path("/work/shared/golden")

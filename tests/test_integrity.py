@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
+from dist_checkpointing.engine.checkpoint.integrity import INTEGRITY_FNAME
+from dist_checkpointing.engine.storage.reader import FileSystemReader
 from dist_checkpointing.errors import CheckpointingException, CorruptCheckpointError
-from dist_checkpointing.integrity import INTEGRITY_FNAME
-from dist_checkpointing.strategies.filesystem_reader import FileSystemReader
 from tests.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedObject, ShardedTensor
-from dist_checkpointing.strategies.filesystem_reader import FileSystemReader
-from dist_checkpointing.strategies.fs_io import LocalFileSystem
+from dist_checkpointing.engine.storage.local import LocalFileSystem
+from dist_checkpointing.engine.storage.reader import FileSystemReader
 from dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     TorchDistLoadShardedStrategy,

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedObject, ShardedTensor
+from dist_checkpointing.engine.storage.reader import FileSystemReader
 from dist_checkpointing.errors import CheckpointingException, UnsafeCheckpointError
 from dist_checkpointing.strategies.common import TorchCommonLoadStrategy
-from dist_checkpointing.strategies.filesystem_reader import FileSystemReader
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from tests.harness import run_distributed
 
@@ -292,7 +292,7 @@ def test_malicious_sharded_object_on_one_rank_fails_every_rank(
     assert results[1][0] == "UnsafeCheckpointError" and EXEC_GLOBAL in results[1][1]
     assert "rng/shard_1_2" in results[1][1]
     # The other rank learns which rank failed and why.
-    assert results[0][0] == "CheckpointingException"
+    assert results[0][0] == "RankFailureError"
     assert "rank 1" in results[0][1] and "UnsafeCheckpointError" in results[0][1]
     assert not marker.exists()
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from dist_checkpointing.engine.collectives import raise_on_all_ranks
 from dist_checkpointing.errors import (
     CheckpointingException,
     KeyMismatchError,
@@ -23,7 +24,6 @@ from dist_checkpointing.validation import (
     drop_keys,
     local_metadata_of,
     parse_strict_flag,
-    raise_on_all_ranks,
     sharding_integrity_problems,
     validate_sharding_integrity,
     validate_sharding_integrity_on_all_ranks,

@@ -7,11 +7,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dist_checkpointing.errors import CheckpointingException, ShardingError
+from dist_checkpointing.engine.collectives import raise_on_all_ranks
+from dist_checkpointing.errors import RankFailureError, ShardingError
 from dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from dist_checkpointing.validation import (
     determine_global_metadata,
-    raise_on_all_ranks,
     validate_sharding_integrity_on_all_ranks,
 )
 from tests.harness import run_distributed, world_sizes
@@ -143,7 +143,7 @@ def test_raise_on_all_ranks_one_failure(world_size: int) -> None:
     for rank in range(world_size - 1):
         assert results[rank] is not None, rank
         name, message = results[rank]
-        assert name == CheckpointingException.__name__
+        assert name == RankFailureError.__name__
         assert message == (
             f"save failed on other rank(s):\nrank {failing}: OSError: disk full on rank {failing}"
         )
@@ -155,7 +155,7 @@ def test_raise_on_all_ranks_several_failures() -> None:
     assert results[3] == ("OSError", "disk full on rank 3")
     for rank in (0, 2):
         name, message = results[rank]  # type: ignore[misc]
-        assert name == "CheckpointingException"
+        assert name == "RankFailureError"
         assert "rank 1: OSError: disk full on rank 1" in message
         assert "rank 3: OSError: disk full on rank 3" in message
         assert "rank 0:" not in message and "rank 2:" not in message

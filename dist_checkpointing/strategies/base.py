@@ -31,7 +31,7 @@ from ..errors import CheckpointingException, IncompatibleStrategyError, Strategy
 from ..mapping import ShardedStateDict, StateDict
 
 if TYPE_CHECKING:
-    from .async_utils import AsyncRequest
+    from ..engine.async_save.calls import AsyncRequest
 
 logger = logging.getLogger(__name__)
 

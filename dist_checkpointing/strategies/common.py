@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..engine.safety.safe_load import safe_torch_load
+from ..engine.storage.resolve import filesystem_for
 from ..errors import CheckpointNotFoundError, UnsupportedFeatureError
 from ..mapping import ShardedStateDict, StateDict
-from ..safe_load import safe_torch_load
 from .base import (
     LoadCommonStrategy,
     SaveCommonStrategy,
@@ -31,7 +32,6 @@ from .base import (
     check_compatibility,
     register_default_strategy,
 )
-from .fs_io import filesystem_for
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         return self._load_common_state_object(checkpoint_dir)
 
     def _load_common_state_object(self, checkpoint_dir: str | Path) -> StateDict:
-        from .filesystem_reader import read_object_bytes
+        from ..engine.storage.reader import read_object_bytes
 
         data, source = read_object_bytes(checkpoint_dir, COMMON_STATE_OBJECT_KEY)
         if data is None:

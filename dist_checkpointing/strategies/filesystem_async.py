@@ -32,9 +32,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .._torch_compat import DATA_FILE_SUFFIX, DCP_VERSION, METADATA_FILE_NAME, StoragePrefix
-from ..errors import CheckpointingException, CheckpointWriteError, UnsupportedFeatureError
-from .fs_io import filesystem_for
-from .write_workers import (
+from ..engine.storage.resolve import filesystem_for
+from ..engine.storage.write_workers import (
     FileResultsQueue,
     ResultsQueue,
     WriteBucket,
@@ -44,6 +43,7 @@ from .write_workers import (
     write_buckets_multiproc,
     write_buckets_threaded,
 )
+from ..errors import CheckpointingException, CheckpointWriteError, UnsupportedFeatureError
 
 logger = logging.getLogger(__name__)
 

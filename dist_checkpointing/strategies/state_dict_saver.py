@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._torch_compat import StorageInfo
+from ..engine.collectives import RankGroup, describe_error
 from ..errors import CheckpointingException, CheckpointWriteError
 
 logger = logging.getLogger(__name__)
@@ -90,69 +91,6 @@ def _expand_results(records: list[tuple]) -> list[WriteResult]:
     ]
 
 
-class _Group:
-    """The ranks taking part, with helpers that fail on every rank together."""
-
-    def __init__(self, process_group: dist.ProcessGroup | None, coordinator_rank: int) -> None:
-        self.group = process_group
-        self.use_dist = dist.is_initialized() and dist.get_world_size(process_group) > 1
-        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-        self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-        self.coordinator = coordinator_rank
-        self.is_coordinator = self.rank == coordinator_rank
-
-    def _global(self, group_rank: int) -> int:
-        if self.group is None:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
-
-    def all_ok(self, error: BaseException | None, flags: list[int] | None = None) -> list[int]:
-        """All-reduce (sum) an error flag plus ``flags``; raise everywhere on any error."""
-        flags = flags or []
-        if not self.use_dist:
-            if error is not None:
-                raise error
-            return flags
-        t = torch.tensor([0 if error is None else 1, *flags], dtype=torch.int64)
-        dist.all_reduce(t, group=self.group)
-        if int(t[0]) != 0:
-            messages: list[Any] = [None] * self.world
-            mine = None if error is None else f"{type(error).__name__}: {error}"
-            dist.all_gather_object(messages, mine, group=self.group)
-            if error is not None:
-                raise error
-            failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
-            raise CheckpointingException(f"checkpoint step failed on other rank(s): {failed}")
-        return [int(x) for x in t[1:]]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        if not self.use_dist:
-            return [obj]
-        out: list[Any] | None = [None] * self.world if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=self._global(self.coordinator), group=self.group)
-        return out
-
-    def scatter(self, objs: list[Any] | None) -> Any:
-        if not self.use_dist:
-            assert objs is not None
-            return objs[0]
-        out: list[Any] = [None]
-        dist.scatter_object_list(
-            out,
-            objs if self.is_coordinator else None,
-            src=self._global(self.coordinator),
-            group=self.group,
-        )
-        return out[0]
-
-    def broadcast(self, obj: Any) -> Any:
-        if not self.use_dist:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._global(self.coordinator), group=self.group)
-        return box[0]
-
-
 def _commit_metadata(
     storage_writer: StorageWriter,
     global_metadata: Metadata | None,
@@ -200,7 +138,7 @@ def save_state_dict_async_plan(
     """
     if planner is None:
         raise CheckpointingException("save_state_dict_async_plan needs a planner")
-    group = _Group(process_group, coordinator_rank)
+    group = RankGroup(process_group, coordinator_rank)
 
     def local_step() -> SavePlan:
         # Files are named by the rank within the group (``__<rank>_<n>.distcp``).
@@ -216,7 +154,7 @@ def save_state_dict_async_plan(
         and local_plan == cached.local_plan
         and (cached.metadata is not None or not group.is_coordinator)
     )
-    (not_cached,) = group.all_ok(error, [0 if reuse else 1])
+    (not_cached,) = group.fail_together(error, "save planning", [0 if reuse else 1])
     assert local_plan is not None
     pending = False
     if not_cached == 0 and cached is not None:
@@ -235,12 +173,12 @@ def save_state_dict_async_plan(
         return final
 
     final_plan, error = _attempt(prepare)
-    group.all_ok(error)
+    group.fail_together(error, "preparing the data to write")
     return storage_writer, metadata, CachedStructure(local_plan, central_plan, metadata, pending)
 
 
 def _exchange_plans(
-    group: _Group, local_plan: SavePlan, planner: SavePlanner, storage_writer: StorageWriter
+    group: RankGroup, local_plan: SavePlan, planner: SavePlanner, storage_writer: StorageWriter
 ) -> tuple[SavePlan, Metadata | None]:
     all_plans = group.gather(local_plan)
     payload: list[Any] | None = None
@@ -255,7 +193,7 @@ def _exchange_plans(
 
         result, error = _attempt(global_step)
         if error is not None:
-            message = f"{type(error).__name__}: {error}"
+            message = describe_error(error)
             payload = [("error", message)] * group.world
         else:
             assert result is not None
@@ -287,7 +225,7 @@ def save_state_dict_async_finalize(
         CheckpointWriteError: on every rank, if any rank's write failed or the
             metadata could not be written.
     """
-    group = _Group(process_group, coordinator_rank)
+    group = RankGroup(process_group, coordinator_rank)
     pending = structure is not None and structure.metadata_pending
 
     def collect() -> tuple[list[tuple], Any]:
@@ -296,7 +234,7 @@ def save_state_dict_async_finalize(
         return _compact_results(results), records
 
     collected, error = _attempt(collect)
-    mine = ("error", f"{type(error).__name__}: {error}") if error else ("ok", collected)
+    mine = ("error", describe_error(error)) if error else ("ok", collected)
     gathered = group.gather(mine)
     outcome: tuple[str, str] = ("ok", "")
     if group.is_coordinator:

@@ -25,10 +25,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...dict_utils import dict_list_map_outplace
+from ...engine.async_save.calls import AsyncRequest
+from ...engine.collectives import raise_on_all_ranks
+from ...engine.safety.safe_load import safe_torch_load
+from ...engine.storage.reader import FileSystemReader
+from ...engine.storage.resolve import filesystem_for
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from ...safe_load import safe_torch_load
-from ...validation import raise_on_all_ranks
-from ..async_utils import AsyncRequest
 from ..base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -37,8 +39,6 @@ from ..base import (
     register_default_strategy,
 )
 from ..filesystem_async import FileSystemWriterAsync
-from ..filesystem_reader import FileSystemReader
-from ..fs_io import filesystem_for
 from ..state_dict_saver import (
     CachedStructure,
     save_state_dict_async_finalize,

@@ -30,10 +30,11 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .._torch_compat import StorageInfo
-from ..utils import describe_exit, gc_paused
-from . import torch_save_zip
-from .fs_io import FileSystemIO, filesystem_for
+from ..._torch_compat import StorageInfo
+from ..process import describe_exit, gc_paused
+from . import item_format
+from .base import FileSystemIO
+from .resolve import filesystem_for
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
                 # Unstaged (synchronous path): one copy at a time bounds host memory.
                 # Never happens in forked workers: the async path stages first.
                 tensor = tensor.cpu()
-            length = torch_save_zip.write_tensor(stream, tensor)
+            length = item_format.write_tensor(stream, tensor)
             results.append(_result(item, bucket.relative_path, offset, length))
             offset += length
         if sync_files:

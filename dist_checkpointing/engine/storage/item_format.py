@@ -43,7 +43,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .._torch_compat import legacy_storage_name, rebuild_tensor_v2, rebuild_tensor_v3
+from ..._torch_compat import legacy_storage_name, rebuild_tensor_v2, rebuild_tensor_v3
 
 logger = logging.getLogger(__name__)
 

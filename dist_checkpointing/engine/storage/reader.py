@@ -28,16 +28,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._torch_compat import METADATA_FILE_NAME
-from ..errors import (
+from ..._torch_compat import METADATA_FILE_NAME
+from ...errors import (
     CheckpointingException,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ..safe_load import load_metadata, safe_torch_load
-from .fs_io import ReadStream, filesystem_for
-from .torch_save_zip import NotFastPath, TensorRecord, parse_tensor_item
+from ..safety.safe_load import load_metadata, safe_torch_load
+from .base import ReadStream
+from .item_format import NotFastPath, TensorRecord, parse_tensor_item
+from .resolve import filesystem_for
 
 logger = logging.getLogger(__name__)
 

@@ -86,8 +86,8 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from dist_checkpointing._torch_compat import StorageInfo, StoragePrefix
+from dist_checkpointing.engine.process import gc_paused
 from dist_checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
-from dist_checkpointing.utils import gc_paused
 
 logger = logging.getLogger(__name__)
 

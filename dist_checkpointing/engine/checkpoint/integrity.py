@@ -17,8 +17,8 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import CheckpointingException, CorruptCheckpointError
-from .strategies.fs_io import filesystem_for
+from ...errors import CheckpointingException, CorruptCheckpointError
+from ..storage.resolve import filesystem_for
 
 logger = logging.getLogger(__name__)
 

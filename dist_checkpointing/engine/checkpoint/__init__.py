@@ -1,0 +1,1 @@
+"""The checkpoint directory: its handle, the commit protocol, integrity manifests."""

@@ -1,0 +1,1 @@
+"""Loading checkpoint files without executing code stored in them."""

@@ -1,0 +1,1 @@
+"""Storage backends, the item format, the writer workers and the reader."""

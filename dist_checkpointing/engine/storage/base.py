@@ -1,0 +1,86 @@
+"""The file interface every storage backend implements.
+
+Every file the engine touches goes through a :class:`FileSystemIO`, created
+once per checkpoint location (see :mod:`.resolve`), so that another backend
+(object storage, e.g. ``msc://`` paths) plugs in as one more implementation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import TracebackType
+from typing import Any, BinaryIO, Protocol
+
+
+class ReadStream(Protocol):
+    """A file opened by :meth:`FileSystemIO.open_read` (a context manager)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> Any: ...
+
+
+class FileSystemIO(ABC):
+    """The file operations the checkpoint storage layer needs."""
+
+    @abstractmethod
+    def join(self, directory: str, name: str) -> str:
+        """The path of ``name`` inside ``directory``."""
+
+    @abstractmethod
+    def open_write(self, path: str) -> BinaryIO:
+        """Create (or truncate) ``path`` for writing; the caller closes it."""
+
+    @abstractmethod
+    def open_read(self, path: str) -> ReadStream:
+        """Open ``path`` for reading with ``seek``/``readinto``; the caller closes it."""
+
+    @abstractmethod
+    def fsync(self, stream: BinaryIO) -> None:
+        """Flush ``stream`` (opened by :meth:`open_write`) and make its bytes durable."""
+
+    @abstractmethod
+    def atomic_write(self, path: str, data: bytes, *, sync: bool = True) -> None:
+        """Replace ``path`` with ``data`` atomically: readers see the old file or the
+        complete new one, never a partial file. With ``sync`` it is durable on return."""
+
+    @abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Names of the entries of directory ``path``."""
+
+    @abstractmethod
+    def remove(self, path: str) -> None:
+        """Delete file ``path``."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
+
+    @abstractmethod
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is an existing directory."""
+
+    @abstractmethod
+    def makedirs(self, path: str) -> None:
+        """Create directory ``path`` and its parents (no error if it exists)."""
+
+    @abstractmethod
+    def file_size(self, path: str) -> int:
+        """Size of file ``path`` in bytes."""
+
+
+__all__ = ["FileSystemIO", "ReadStream"]
