@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+
+from .engine.checkpoint.commit import COMMIT_MARKER
+from .engine.storage.location import CheckpointDir
 
 # Megatron-Core users import the base error from here; it lives in errors.py.
 from .errors import CheckpointingException, CorruptCheckpointError  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FNAME = "metadata.json"
+CONFIG_FNAME = COMMIT_MARKER  # the config file is the commit marker
 
 __all__ = [
     "CONFIG_FNAME",
     "CheckpointingConfig",
     "check_is_distributed_checkpoint",
+    "config_bytes",
     "maybe_load_config",
     "save_config",
 ]
@@ -42,12 +46,12 @@ class CheckpointingConfig:
     common_backend_version: int = 1
 
 
-def check_is_distributed_checkpoint(checkpoint_dir: str | Path) -> bool:
+def check_is_distributed_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> bool:
     """Whether ``checkpoint_dir`` holds a distributed checkpoint (has ``metadata.json``)."""
     return maybe_load_config(checkpoint_dir) is not None
 
 
-def maybe_load_config(checkpoint_dir: str | Path) -> CheckpointingConfig | None:
+def maybe_load_config(checkpoint_dir: str | os.PathLike[str]) -> CheckpointingConfig | None:
     """The checkpoint's config, or None if ``metadata.json`` is absent.
 
     Unknown fields (written by newer releases) are ignored.
@@ -55,11 +59,12 @@ def maybe_load_config(checkpoint_dir: str | Path) -> CheckpointingConfig | None:
     Raises:
         CorruptCheckpointError: ``metadata.json`` exists but is not a valid config.
     """
-    path = Path(checkpoint_dir, CONFIG_FNAME)
-    if not path.is_file():
+    ckpt = CheckpointDir.of(checkpoint_dir)
+    if not ckpt.has(CONFIG_FNAME):
         return None
+    path = ckpt.path(CONFIG_FNAME)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(ckpt.read_bytes(CONFIG_FNAME))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{path}: unreadable checkpoint config ({e})") from e
     known = {f.name for f in fields(CheckpointingConfig)}
@@ -71,9 +76,11 @@ def maybe_load_config(checkpoint_dir: str | Path) -> CheckpointingConfig | None:
     return CheckpointingConfig(**{k: v for k, v in raw.items() if k in known})
 
 
-def save_config(config: CheckpointingConfig, checkpoint_dir: str | Path) -> None:
-    """Write ``metadata.json`` durably and atomically (it marks the checkpoint complete)."""
-    from .engine.storage.resolve import filesystem_for
+def config_bytes(config: CheckpointingConfig) -> bytes:
+    """The content of ``metadata.json`` for ``config``."""
+    return json.dumps(asdict(config)).encode()
 
-    fs = filesystem_for(checkpoint_dir)
-    fs.atomic_write(fs.join(str(checkpoint_dir), CONFIG_FNAME), json.dumps(asdict(config)).encode())
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Write ``metadata.json`` durably and atomically (it marks the checkpoint complete)."""
+    CheckpointDir.of(checkpoint_dir).atomic_write(CONFIG_FNAME, config_bytes(config))

@@ -4,32 +4,28 @@ Megatron-Core's ``dist_checkpointing.serialization`` API (the 0.12-0.15
 design with a strategy registry and ``common.pt``), also accepting the
 parameters 0.16-0.19 added (``async_strategy``, ``verify_integrity``,
 ``content_metadata``) so code written for either release runs unchanged.
+
+Each entry point resolves ``checkpoint_dir`` once into a
+:class:`~dist_checkpointing.engine.storage.location.CheckpointDir` and reads as
+a short recipe; preprocessing is in :mod:`.state_dict_utils`, the commit
+protocol in :mod:`.engine.checkpoint.commit`, the strategies (which know their
+file names) in :mod:`.strategies`.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
+import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
-from .core import CheckpointingConfig, maybe_load_config, save_config
-from .dict_utils import (
-    dict_list_map_inplace,
-    diff,
-    extract_matching_values,
-    merge,
-    nested_values,
-)
-from .engine.async_save.calls import AsyncRequest
-from .engine.checkpoint import integrity
-from .engine.collectives import raise_on_all_ranks
+from .core import CheckpointingConfig, config_bytes, maybe_load_config
+from .dict_utils import extract_matching_values, merge, nested_values
+from .engine.checkpoint import commit, integrity
+from .engine.collectives import ProcessGroup, RankGroup, raise_on_all_ranks
 from .engine.process import gc_paused
-from .engine.storage.resolve import filesystem_for
+from .engine.storage.location import CheckpointDir
 from .errors import (
     CheckpointingException,
     CheckpointNotFoundError,
@@ -38,16 +34,13 @@ from .errors import (
 )
 from .mapping import (
     CommonStateDict,
-    LocalNonpersistentObject,
-    ShardedBase,
     ShardedObject,
     ShardedStateDict,
-    ShardedTensor,
-    ShardedTensorFactory,
     StateDict,
-    apply_factories,
     apply_factory_merges,
 )
+from .state_dict_utils import load_preprocess, save_preprocess
+from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -55,7 +48,10 @@ from .strategies.base import (
     SaveCommonStrategy,
     SaveShardedStrategy,
     StrategyAction,
+    bind_process_group,
     get_default_strategy,
+    registered_strategies,
+    resolve_strategy,
 )
 from .validation import (
     StrictHandling,
@@ -69,9 +65,6 @@ from .validation import (
 logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
-_DCP_METADATA_FNAME = ".metadata"
-# Files a save writes before its commit marker (metadata.json).
-_SAVE_ARTIFACTS = frozenset({_DCP_METADATA_FNAME, "common.pt", "integrity.json"})
 
 __all__ = [
     "save",
@@ -88,6 +81,7 @@ __all__ = [
     "verify_checkpoint_and_load_strategy",
 ]
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # --------------------------------------------------------------------------- strategies
 
@@ -106,31 +100,42 @@ def get_default_save_common_strategy(
     return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: str | Path) -> LoadShardedStrategy:
+def get_default_load_sharded_strategy(
+    checkpoint_dir: str | os.PathLike[str],
+) -> LoadShardedStrategy:
     """The sharded load strategy for the checkpoint in ``checkpoint_dir``."""
     return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
 
 
-def _require_config(checkpoint_dir: str | Path) -> CheckpointingConfig:
-    fs = filesystem_for(checkpoint_dir)
-    if not fs.is_dir(str(checkpoint_dir)):
-        raise CheckpointNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
-    config = maybe_load_config(checkpoint_dir)
+def _holds_checkpoint_files(names: list[str]) -> bool:
+    """Whether any of ``names`` is a file some registered format (or the integrity
+    manifest) writes: the sign of a save that never finished."""
+    save_strategies = [
+        s for (action, _, _), s in registered_strategies().items() if action.startswith("save")
+    ]
+    return any(
+        n == integrity.INTEGRITY_FNAME or any(s.owns_file(n) for s in save_strategies)
+        for n in names
+    )
+
+
+def _require_config(ckpt: CheckpointDir) -> CheckpointingConfig:
+    ckpt.require_dir()
+    config = maybe_load_config(ckpt)
     if config is not None:
         return config
-    names = fs.listdir(str(checkpoint_dir))
-    if any(n in _SAVE_ARTIFACTS or n.endswith(".distcp") for n in names):
+    if _holds_checkpoint_files(ckpt.listdir()):
         raise IncompleteCheckpointError(
-            f"{checkpoint_dir} holds an incomplete checkpoint: metadata.json is missing, so its "
-            "save never finished (or is still being finalized)"
+            f"{ckpt} holds an incomplete checkpoint: {commit.COMMIT_MARKER} is missing, so "
+            "its save never finished (or is still being finalized)"
         )
     raise CheckpointNotFoundError(
-        f"{checkpoint_dir} is not a distributed checkpoint (no metadata.json)"
+        f"{ckpt} is not a distributed checkpoint (no {commit.COMMIT_MARKER})"
     )
 
 
 def verify_checkpoint_and_load_strategy(
-    checkpoint_dir: str | Path,
+    checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
@@ -141,145 +146,43 @@ def verify_checkpoint_and_load_strategy(
         IncompleteCheckpointError: a save that never finished.
         StrategyNotFoundError / IncompatibleStrategyError: no strategy fits.
     """
-    config = _require_config(checkpoint_dir)
-    if sharded_strategy is None:
-        sharded_strategy = (config.sharded_backend, config.sharded_backend_version)
-    if isinstance(sharded_strategy, tuple):
-        sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *sharded_strategy)
-    if common_strategy is None:
-        common_strategy = (config.common_backend, config.common_backend_version)
-    if isinstance(common_strategy, tuple):
-        common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, *common_strategy)
-    assert isinstance(sharded_strategy, LoadShardedStrategy)
-    assert isinstance(common_strategy, LoadCommonStrategy)
-    sharded_strategy.check_backend_compatibility(config.sharded_backend)
-    sharded_strategy.check_version_compatibility(config.sharded_backend_version)
-    common_strategy.check_backend_compatibility(config.common_backend)
-    common_strategy.check_version_compatibility(config.common_backend_version)
-    return sharded_strategy, common_strategy
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _is_sharded(x: Any) -> bool:
-    return isinstance(x, ShardedBase)
-
-
-def extract_nonpersistent(state_dict: ShardedStateDict) -> tuple[dict | list, dict | list]:
-    """``(nonpersistent, rest)``: the LocalNonpersistentObject leaves and the others."""
-    return extract_matching_values(state_dict, lambda x: isinstance(x, LocalNonpersistentObject))
-
-
-def _filter_out_empty_flat(sharded_part: dict | list) -> dict | list:
-    """Flat ShardedTensors with an empty range hold no data: drop them."""
-    _, kept = extract_matching_values(
-        sharded_part,
-        lambda x: (
-            isinstance(x, ShardedTensor)
-            and x.flattened_range is not None
-            and x.flattened_range.stop <= x.flattened_range.start
-        ),
+    config = _require_config(CheckpointDir.of(checkpoint_dir))
+    sharded = resolve_strategy(
+        sharded_strategy,
+        (config.sharded_backend, config.sharded_backend_version),
+        StrategyAction.LOAD_SHARDED,
     )
-    return kept
+    common = resolve_strategy(
+        common_strategy,
+        (config.common_backend, config.common_backend_version),
+        StrategyAction.LOAD_COMMON,
+    )
+    if not isinstance(sharded, LoadShardedStrategy):
+        raise CheckpointingException(f"{sharded!r} is not a LoadShardedStrategy")
+    if not isinstance(common, LoadCommonStrategy):
+        raise CheckpointingException(f"{common!r} is not a LoadCommonStrategy")
+    sharded.check_backend_compatibility(config.sharded_backend)
+    sharded.check_version_compatibility(config.sharded_backend_version)
+    common.check_backend_compatibility(config.common_backend)
+    common.check_version_compatibility(config.common_backend_version)
+    return sharded, common
 
 
-ProcessGroup = dist.ProcessGroup | None
-_S = TypeVar("_S")
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _rank(group: ProcessGroup = None) -> int:
-    """This process's rank in ``group`` (the world by default)."""
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def _multi_rank(group: ProcessGroup) -> bool:
-    return dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _first_rank(group: ProcessGroup) -> int:
-    """The global rank of the group's first rank (collective ``dst``/``src``)."""
-    return dist.get_global_rank(group, 0) if group is not None else 0
-
-
-def _barrier(group: ProcessGroup = None) -> None:
-    if _multi_rank(group):
-        dist.barrier(group=group)
-
-
-def _with_group(strategy: _S, group: ProcessGroup) -> _S:
-    """``strategy`` bound to ``group`` if it has no group of its own (a copy: the
-    registered defaults are shared)."""
-    if group is not None and getattr(strategy, "process_group", group) is None:
-        strategy = copy.copy(strategy)
-        strategy.process_group = group  # type: ignore[attr-defined]
-    return strategy
-
-
-def _check_common_consistency(common_state_dict: CommonStateDict, group: ProcessGroup) -> None:
-    """Log (on the first rank) where other ranks' common state differs from its own."""
-    if not _multi_rank(group):
-        return
-    is_first = _rank(group) == 0
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if is_first else None
-    dist.gather_object(common_state_dict, gathered, dst=_first_rank(group), group=group)
-    if gathered is None:
-        return
-    for rank, other in enumerate(gathered[1:], start=1):
-        only_0, only_r, mismatch = diff(gathered[0], other)
-        if only_0 or only_r or mismatch:
-            logger.warning(
-                "Common state differs between rank 0 and rank %d (rank 0 wins): only on rank 0: "
-                "%s; only on rank %d: %s; different values: %s",
-                rank,
-                only_0,
-                rank,
-                only_r,
-                [m[0] for m in mismatch],
-            )
-
-
-def save_preprocess(
-    sharded_state_dict: ShardedStateDict,
-    validate_access_integrity: bool = True,
-    preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict]
-    | None = None,
-    process_group: ProcessGroup = None,
-) -> tuple[ShardedStateDict, StateDict]:
-    """Apply factories, drop non-persistent values, split sharded and common parts,
-    and validate the sharding on every rank (collective when validating)."""
-    apply_factories(sharded_state_dict)
-    _, persistent = extract_nonpersistent(sharded_state_dict)
-    sharded_part, common_part = extract_matching_values(persistent, _is_sharded)
-    sharded_part = _filter_out_empty_flat(sharded_part)
-    if validate_access_integrity:
-        _, global_metadata = gather_shard_records(sharded_part, process_group)  # type: ignore[arg-type]
-        validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
-        to_check = common_part
-        if preprocess_common_before_consistancy_check is not None:
-            to_check = preprocess_common_before_consistancy_check(common_part)  # type: ignore[arg-type]
-        _check_common_consistency(to_check, process_group)  # type: ignore[arg-type]
-    return sharded_part, common_part  # type: ignore[return-value]
-
-
-def _resolve_save_strategies(
+def _save_strategies(
     sharded_strategy: SaveShardedStrategy | tuple[str, int] | None,
     common_strategy: SaveCommonStrategy | tuple[str, int] | None,
+    async_sharded_save: bool,
+    process_group: ProcessGroup,
 ) -> tuple[SaveShardedStrategy, SaveCommonStrategy]:
-    if sharded_strategy is None:
-        sharded_strategy = get_default_save_sharded_strategy()
-    elif isinstance(sharded_strategy, tuple):
-        sharded_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, *sharded_strategy)
-    if common_strategy is None:
-        common_strategy = get_default_save_common_strategy()
-    elif isinstance(common_strategy, tuple):
-        common_strategy = get_default_strategy(StrategyAction.SAVE_COMMON, *common_strategy)
-    if not isinstance(sharded_strategy, SaveShardedStrategy):
-        raise CheckpointingException(f"{sharded_strategy!r} is not a SaveShardedStrategy")
-    if not isinstance(common_strategy, SaveCommonStrategy):
-        raise CheckpointingException(f"{common_strategy!r} is not a SaveCommonStrategy")
-    return sharded_strategy, common_strategy
+    sharded = resolve_strategy(sharded_strategy, ("torch_dist", 1), StrategyAction.SAVE_SHARDED)
+    common = resolve_strategy(common_strategy, ("torch", 1), StrategyAction.SAVE_COMMON)
+    if not isinstance(sharded, SaveShardedStrategy):
+        raise CheckpointingException(f"{sharded!r} is not a SaveShardedStrategy")
+    if not isinstance(common, SaveCommonStrategy):
+        raise CheckpointingException(f"{common!r} is not a SaveCommonStrategy")
+    if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
+        raise CheckpointingException(f"{sharded} does not support async saves")
+    return bind_process_group(sharded, process_group), bind_process_group(common, process_group)
 
 
 def _check_async_strategy(async_strategy: str | None) -> None:
@@ -296,72 +199,8 @@ def _check_async_strategy(async_strategy: str | None) -> None:
     )
 
 
-def _check_directory(checkpoint_dir: str | Path) -> None:
-    if not filesystem_for(checkpoint_dir).is_dir(str(checkpoint_dir)):
-        raise CheckpointNotFoundError(
-            f"Checkpoint destination directory does not exist: {checkpoint_dir}"
-        )
-
-
-def _clear_commit_markers(checkpoint_dir: str | Path, group: ProcessGroup) -> None:
-    """Make sure an overwritten directory never looks complete during the new save.
-
-    Called after validation (a rejected save leaves an old checkpoint intact) and
-    before anything is written (the first rank does it before it writes
-    ``common.pt`` or takes part in the save planning, which other ranks' data
-    writes wait for).
-    """
-    fs = filesystem_for(checkpoint_dir)
-    if _rank(group) != 0:
-        return
-    names = fs.listdir(str(checkpoint_dir))
-    if names:
-        logger.warning("Overwriting the existing content of %s", checkpoint_dir)
-    # The commit markers go first, so a crash mid-save leaves an incomplete checkpoint.
-    for marker in ("metadata.json", integrity.INTEGRITY_FNAME, _DCP_METADATA_FNAME):
-        if marker in names:
-            fs.remove(fs.join(str(checkpoint_dir), marker))
-
-
-def _own_data_files(checkpoint_dir: str | Path, group: ProcessGroup) -> list[str]:
-    prefix = f"__{_rank(group)}_"
-    names = filesystem_for(checkpoint_dir).listdir(str(checkpoint_dir))
-    return [n for n in names if n.startswith(prefix) and n.endswith(".distcp")]
-
-
-def _commit(
-    checkpoint_dir: str | Path,
-    config: CheckpointingConfig,
-    verify_integrity: bool,
-    group: ProcessGroup,
-) -> None:
-    """Finalize a save: integrity manifest (optional), then ``metadata.json`` (first rank)."""
-    first = _rank(group) == 0
-    if verify_integrity:
-        digests = integrity.digest_files(checkpoint_dir, _own_data_files(checkpoint_dir, group))
-        fs = filesystem_for(checkpoint_dir)
-        if first and fs.exists(fs.join(str(checkpoint_dir), "common.pt")):
-            digests.update(integrity.digest_files(checkpoint_dir, ["common.pt"]))
-        all_digests: list[Any] | None = [digests]
-        if _multi_rank(group):
-            all_digests = [None] * dist.get_world_size(group) if first else None
-            dist.gather_object(digests, all_digests, dst=_first_rank(group), group=group)
-        if first:
-            assert all_digests is not None
-            merged: dict[str, str] = {}
-            for d in all_digests:
-                merged.update(d)
-            integrity.write_manifest(checkpoint_dir, merged)
-    if first:
-        save_config(config, checkpoint_dir)
-    _barrier(group)
-
-
-# --------------------------------------------------------------------------- save
-
-
 def _gc_paused_call(fn: _F) -> _F:
-    """Run ``fn`` with the cyclic GC paused (see :func:`utils.gc_paused`)."""
+    """Run ``fn`` with the cyclic GC paused (see :func:`engine.process.gc_paused`)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -371,10 +210,51 @@ def _gc_paused_call(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
+# --------------------------------------------------------------------------- save
+
+
+def _save_common_part(
+    ckpt: CheckpointDir,
+    sharded_strategy: SaveShardedStrategy,
+    common_strategy: SaveCommonStrategy,
+    sharded_part: ShardedStateDict,
+    common_part: StateDict,
+) -> ShardedStateDict:
+    """Save the common state (and, if the sharded strategy cannot, the ShardedObjects);
+    returns what is left for the sharded strategy."""
+    common_strategy.save_common(common_part, ckpt)
+    if sharded_strategy.can_handle_sharded_objects:
+        return sharded_part
+    objects, rest = extract_matching_values(sharded_part, lambda x: isinstance(x, ShardedObject))
+    if objects:
+        common_strategy.save_sharded_objects(objects, ckpt)  # type: ignore[arg-type]
+    return rest  # type: ignore[return-value]
+
+
+def _finalize_save(
+    ckpt: CheckpointDir,
+    sharded_strategy: SaveShardedStrategy,
+    common_strategy: SaveCommonStrategy,
+    verify_integrity: bool,
+    group: RankGroup,
+) -> None:
+    """Integrity manifest (optional), then the commit marker (every rank calls it)."""
+    if verify_integrity:
+        names = sharded_strategy.files_written_by(ckpt, group.rank) + common_strategy.files(ckpt)
+        integrity.record(ckpt, group, names)
+    config = CheckpointingConfig(
+        sharded_strategy.backend,
+        sharded_strategy.version,
+        common_strategy.backend,
+        common_strategy.version,
+    )
+    commit.commit(ckpt, group, config_bytes(config))
+
+
 @_gc_paused_call
 def save(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: str | Path,
+    checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: SaveShardedStrategy | tuple[str, int] | None = None,
     common_strategy: SaveCommonStrategy | tuple[str, int] | None = None,
     validate_access_integrity: bool = True,
@@ -384,7 +264,7 @@ def save(
     *,
     async_strategy: str | None = None,
     verify_integrity: bool = False,
-    content_metadata: dict | None = None,
+    content_metadata: dict[str, Any] | None = None,
     process_group: ProcessGroup = None,
 ) -> AsyncRequest | None:
     """Save a sharded state dict to ``checkpoint_dir`` (collective: every rank calls it).
@@ -394,7 +274,8 @@ def save(
            sharded part (ShardedTensor/ShardedObject leaves) from the common part;
         2. validate that every global tensor is covered exactly once by main
            replicas (every rank raises the same error otherwise);
-        3. rank 0 saves the common part (``common.pt``);
+        3. the coordinator removes an older checkpoint's commit files, then saves
+           the common part (``common.pt``);
         4. the sharded strategy writes the shards (in the background with
            ``async_sharded_save``);
         5. finalize: ``.metadata`` then ``metadata.json`` mark the checkpoint complete.
@@ -422,44 +303,29 @@ def save(
         The AsyncRequest with ``async_sharded_save=True``, else None.
     """
     _check_async_strategy(async_strategy)
-    sharded_strategy, common_strategy = _resolve_save_strategies(sharded_strategy, common_strategy)
-    sharded_strategy = _with_group(sharded_strategy, process_group)
-    common_strategy = _with_group(common_strategy, process_group)
-    if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
-        raise CheckpointingException(f"{sharded_strategy} does not support async saves")
-    _check_directory(checkpoint_dir)
+    sharded, common = _save_strategies(
+        sharded_strategy, common_strategy, async_sharded_save, process_group
+    )
+    ckpt = CheckpointDir.of(checkpoint_dir)
+    ckpt.require_dir("Checkpoint destination directory")
     sharded_part, common_part = save_preprocess(
         sharded_state_dict,
         validate_access_integrity,
         preprocess_common_before_consistancy_check,
         process_group,
     )
-    _clear_commit_markers(checkpoint_dir, process_group)
+    group = RankGroup(process_group)
+    commit.begin(ckpt, group, (*sharded.commit_files, integrity.INTEGRITY_FNAME))
     if content_metadata is not None:
         common_part[CONTENT_METADATA_KEY] = content_metadata
-    common_strategy.save_common(common_part, checkpoint_dir)
-    if not sharded_strategy.can_handle_sharded_objects:
-        objects, sharded_part = extract_matching_values(  # type: ignore[assignment]
-            sharded_part, lambda x: isinstance(x, ShardedObject)
-        )
-        if objects:
-            common_strategy.save_sharded_objects(objects, checkpoint_dir)  # type: ignore[arg-type]
-    config = CheckpointingConfig(
-        sharded_strategy.backend,
-        sharded_strategy.version,
-        common_strategy.backend,
-        common_strategy.version,
-    )
-
-    def finalize() -> None:
-        _commit(checkpoint_dir, config, verify_integrity, process_group)
-
+    sharded_part = _save_common_part(ckpt, sharded, common, sharded_part, common_part)
+    finalize = functools.partial(_finalize_save, ckpt, sharded, common, verify_integrity, group)
     if not async_sharded_save:
-        sharded_strategy.save(sharded_part, checkpoint_dir)
+        sharded.save(sharded_part, ckpt)
         finalize()
         return None
-    assert isinstance(sharded_strategy, AsyncSaveShardedStrategy)
-    request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+    assert isinstance(sharded, AsyncSaveShardedStrategy)
+    request = sharded.async_save(sharded_part, ckpt)
     request.add_finalize_fn(finalize)
     return request
 
@@ -468,17 +334,20 @@ def save(
 
 
 def load_common_state_dict(
-    checkpoint_dir: str | Path,
+    checkpoint_dir: str | os.PathLike[str],
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
 ) -> StateDict:
     """The common (non-sharded) state of the checkpoint."""
-    _, common = verify_checkpoint_and_load_strategy(checkpoint_dir, common_strategy=common_strategy)
-    return common.load_common(checkpoint_dir)
+    ckpt = CheckpointDir.of(checkpoint_dir)
+    _, common = verify_checkpoint_and_load_strategy(ckpt, common_strategy=common_strategy)
+    return common.load_common(ckpt)
 
 
 def load_content_metadata(
-    checkpoint_dir: str | Path | None = None, *, preloaded_state_dict: StateDict | None = None
-) -> dict | None:
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    *,
+    preloaded_state_dict: StateDict | None = None,
+) -> dict[str, Any] | None:
     """The ``content_metadata`` given to :func:`save`, or None."""
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
@@ -490,56 +359,95 @@ def load_content_metadata(
 
 
 def load_tensors_metadata(
-    checkpoint_dir: str | Path,
+    checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
 ) -> ShardedStateDict:
     """Data-less ShardedTensors (global shape, dtype) of every stored tensor, by key."""
-    strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
-    return strategy.load_tensors_metadata(checkpoint_dir)
+    ckpt = CheckpointDir.of(checkpoint_dir)
+    strategy, _ = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy)
+    return strategy.load_tensors_metadata(ckpt)
 
 
 def load_sharded_metadata(
-    checkpoint_dir: str | Path,
+    checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
 ) -> ShardedStateDict:
     """Data-less ShardedTensors by key and ShardedObjects by unique key."""
-    strategy, common = verify_checkpoint_and_load_strategy(
-        checkpoint_dir, sharded_strategy, common_strategy
-    )
-    metadata = strategy.load_sharded_metadata(checkpoint_dir)
+    ckpt = CheckpointDir.of(checkpoint_dir)
+    strategy, common = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy, common_strategy)
+    metadata = strategy.load_sharded_metadata(ckpt)
     if not strategy.can_handle_sharded_objects:
-        merge(metadata, common.load_sharded_metadata(checkpoint_dir))
+        merge(metadata, common.load_sharded_metadata(ckpt))
     return metadata
 
 
-def load_plain_tensors(checkpoint_dir: str | Path) -> StateDict:
+def load_plain_tensors(checkpoint_dir: str | os.PathLike[str]) -> StateDict:
     """Every stored tensor, whole, by key (every rank loads everything)."""
-    request = load_tensors_metadata(checkpoint_dir)
-    return load(request, checkpoint_dir, validate_access_integrity=False)  # type: ignore[return-value]
+    ckpt = CheckpointDir.of(checkpoint_dir)
+    request = load_tensors_metadata(ckpt)
+    return load(request, ckpt, validate_access_integrity=False)  # type: ignore[return-value]
 
 
-def remove_sharded_tensors(checkpoint_dir: str | Path, key_prefix: str) -> None:
+def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: str) -> None:
     """Remove the tensors whose key starts with ``key_prefix`` (run on one rank)."""
-    strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
-    strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
+    ckpt = CheckpointDir.of(checkpoint_dir)
+    strategy, _ = verify_checkpoint_and_load_strategy(ckpt)
+    strategy.remove_sharded_tensors(ckpt, key_prefix)
 
 
-def _files_read_by(checkpoint_dir: str | Path, keys: set[str]) -> set[str]:
-    from .engine.storage.reader import FileSystemReader
+def _check_request(
+    ckpt: CheckpointDir,
+    request: ShardedStateDict,
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
+    process_group: ProcessGroup,
+) -> tuple[ShardedStateDict, set[str], set[str]]:
+    """Compare the request with the checkpoint per ``strict`` and validate its sharding
+    (collective: a mismatch on one rank fails every rank)."""
+    ckpt_metadata = None
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        ckpt_metadata = load_sharded_metadata(ckpt, *strategies)
+    local_metadata: list[Any] = local_metadata_of(request)
+    global_metadata: list[list[Any]] | None = None
+    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+        local_metadata, global_metadata = gather_shard_records(request, process_group)
+    missing: set[str] = set()
+    unexpected: set[str] = set()
+    if ckpt_metadata is not None:
+        error: Exception | None = None
+        try:
+            request, missing, unexpected = apply_strict_handling(
+                request, strict, ckpt_metadata, local_metadata, global_metadata
+            )
+        except Exception as e:  # noqa: BLE001 - a key mismatch on one rank fails every rank
+            error = e
+        raise_on_all_ranks(error, process_group, what="Checking the requested keys")
+    if validate_access_integrity:
+        assert global_metadata is not None
+        validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
+    return request, missing, unexpected
 
-    metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
-    return {
-        info.relative_path
-        for index, info in (metadata.storage_data or {}).items()
-        if index.fqn in keys
+
+def _verify_files_read(
+    ckpt: CheckpointDir,
+    strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
+    request: ShardedStateDict,
+) -> None:
+    """Check the files this rank reads against the checkpoint's integrity manifest."""
+    keys = {
+        sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in nested_values(request)
     }
+    sharded, common = strategies
+    files = sharded.files_holding(ckpt, keys) | set(common.files(ckpt))
+    integrity.verify_files(ckpt, files)
 
 
 @_gc_paused_call
 def load(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: str | Path,
+    checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
     validate_access_integrity: bool = True,
@@ -575,53 +483,18 @@ def load(
         The loaded state dict; with ``RETURN_*`` strict modes also the sets of
         missing and unexpected keys.
     """
-    sharded_strategy, common_strategy = verify_checkpoint_and_load_strategy(
-        checkpoint_dir, sharded_strategy, common_strategy
-    )
-    sharded_strategy = _with_group(sharded_strategy, process_group)
-    common_state_dict = common_strategy.load_common(checkpoint_dir)
-    nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)  # type: ignore[assignment]
-    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
-    factories, _ = extract_matching_values(
-        sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory)
-    )
-    apply_factories(sharded_state_dict)
-    sharded_state_dict, _ = extract_matching_values(sharded_state_dict, _is_sharded)  # type: ignore[assignment]
-
+    ckpt = CheckpointDir.of(checkpoint_dir)
+    sharded, common = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy, common_strategy)
+    strategies = (bind_process_group(sharded, process_group), common)
+    common_state_dict = common.load_common(ckpt)
+    request, nonpersistent, factories = load_preprocess(sharded_state_dict)
     strict = parse_strict_flag(strict)
-    ckpt_metadata = None
-    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-        ckpt_metadata = load_sharded_metadata(checkpoint_dir, sharded_strategy, common_strategy)
-    local_metadata: list[Any] = local_metadata_of(sharded_state_dict)
-    global_metadata: list[list[Any]] | None = None
-    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
-        local_metadata, global_metadata = gather_shard_records(sharded_state_dict, process_group)
-    missing: set[str] = set()
-    unexpected: set[str] = set()
-    error: Exception | None = None
-    if ckpt_metadata is not None:
-        try:
-            sharded_state_dict, missing, unexpected = apply_strict_handling(
-                sharded_state_dict, strict, ckpt_metadata, local_metadata, global_metadata
-            )
-        except Exception as e:  # noqa: BLE001 - a key mismatch on one rank fails every rank
-            error = e
-        raise_on_all_ranks(error, process_group, what="Checking the requested keys")
-    if validate_access_integrity:
-        assert global_metadata is not None
-        validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
+    request, missing, unexpected = _check_request(
+        ckpt, request, strict, validate_access_integrity, strategies, process_group
+    )
     if verify_integrity:
-        keys = {
-            sh.unique_key if isinstance(sh, ShardedObject) else sh.key
-            for sh in nested_values(sharded_state_dict)
-        }
-        files = _files_read_by(checkpoint_dir, keys)
-        fs = filesystem_for(checkpoint_dir)
-        if fs.exists(fs.join(str(checkpoint_dir), "common.pt")):
-            files.add("common.pt")
-        integrity.verify_files(checkpoint_dir, files)
-
-    loaded = sharded_strategy.load(sharded_state_dict, checkpoint_dir)
+        _verify_files_read(ckpt, strategies, request)
+    loaded = strategies[0].load(request, ckpt)
     merge(common_state_dict, loaded)
     merge(common_state_dict, nonpersistent)
     result = apply_factory_merges(common_state_dict, factories)

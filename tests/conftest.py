@@ -35,12 +35,8 @@ def world_size(request: pytest.FixtureRequest) -> int:
 
 @pytest.fixture(autouse=True)
 def fresh_registry() -> Iterator[None]:
-    """Snapshot the default-strategy registry and restore it after the test."""
-    from dist_checkpointing.strategies import base
+    """Registrations a test makes in the default-strategy registry are undone after it."""
+    from dist_checkpointing.strategies.base import isolated_registry
 
-    saved = dict(base._REGISTRY)
-    try:
+    with isolated_registry():
         yield
-    finally:
-        base._REGISTRY.clear()
-        base._REGISTRY.update(saved)

@@ -19,11 +19,11 @@ import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.errors import CheckpointingException, StrategyNotFoundError
 from dist_checkpointing.mapping import ShardedStateDict
-from dist_checkpointing.strategies import base
 from dist_checkpointing.strategies.base import (
     SaveShardedStrategy,
     StrategyAction,
     get_default_strategy,
+    isolated_registry,
     register_default_strategy,
     registered_strategies,
 )
@@ -37,13 +37,8 @@ from dist_checkpointing.strategies.torch import (
 @pytest.fixture(autouse=True)
 def fresh_registry() -> Iterator[None]:
     """An empty registry for the test; the previous content is restored afterwards."""
-    snapshot = dict(base._REGISTRY)
-    base._REGISTRY.clear()
-    try:
+    with isolated_registry(empty=True):
         yield
-    finally:
-        base._REGISTRY.clear()
-        base._REGISTRY.update(snapshot)
 
 
 class DummySaveStrategy(SaveShardedStrategy):
@@ -75,7 +70,7 @@ class CountingLoadStrategy(TorchDistLoadShardedStrategy):
 
 
 def test_fixture_gives_an_empty_registry() -> None:
-    assert base._REGISTRY == {}
+    assert dict(registered_strategies(load_builtins=False)) == {}
 
 
 def test_builtin_strategies_register_on_lookup() -> None:

@@ -1,4 +1,9 @@
-"""Save/load strategies and the registry of default strategies."""
+"""Save/load strategies (Megatron-Core's ``dist_checkpointing.strategies`` path).
+
+Importing this package registers the built-in default strategies (``torch_dist``
+v1 for the sharded part, ``torch`` v1 for the common part) through a provider
+(:func:`.base.add_default_provider`), so :mod:`.base` never imports them.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,22 @@ from .base import (
     SaveCommonStrategy,
     SaveShardedStrategy,
     StrategyAction,
+    add_default_provider,
     get_default_strategy,
     register_default_strategy,
     registered_strategies,
 )
+from .common import register_default_common_strategies
+from .torch import register_default_torch_strategies
+
+
+def register_builtin_strategies() -> None:
+    """Register the strategies shipped with the library (idempotent)."""
+    register_default_torch_strategies()
+    register_default_common_strategies()
+
+
+add_default_provider(register_builtin_strategies)
 
 __all__ = [
     "AsyncSaveShardedStrategy",
@@ -22,6 +39,7 @@ __all__ = [
     "SaveShardedStrategy",
     "StrategyAction",
     "get_default_strategy",
+    "register_builtin_strategies",
     "register_default_strategy",
     "registered_strategies",
 ]

@@ -5,27 +5,44 @@ objects, or the common non-sharded state) in one on-disk format. The registry
 maps ``(action, backend, version)`` to the default strategy, so that ``load``
 can pick the reader from the checkpoint's ``metadata.json``.
 
+The registry knows no strategy by import: the package that ships strategies
+adds a provider (:func:`add_default_provider`) that registers its defaults with
+``if_absent=True``; ``strategies/__init__.py`` does this for the built-ins.
+
 Call sequence of ``save`` (every rank, unless noted):
-    1. ``SaveShardedStrategy.save(sharded_state_dict, dir)`` (or ``async_save``
-       for an :class:`AsyncSaveShardedStrategy`, which returns an ``AsyncRequest``);
-    2. ``SaveCommonStrategy.save_common(common_state_dict, dir)`` (rank 0 writes);
-    3. ``metadata.json`` is written last (rank 0), after every rank succeeded.
+    1. ``SaveShardedStrategy.commit_files`` are removed (the coordinator), after
+       the save was validated and before anything is written;
+    2. ``SaveCommonStrategy.save_common(common_state_dict, dir)`` (the group's
+       first rank writes);
+    3. ``SaveShardedStrategy.save(sharded_state_dict, dir)`` (or ``async_save``
+       for an :class:`AsyncSaveShardedStrategy`, which returns an ``AsyncRequest``
+       whose finalize functions run on every rank);
+    4. with ``verify_integrity``: ``files_written_by(dir, rank)`` (every rank) and
+       ``SaveCommonStrategy.files(dir)`` name the files to digest;
+    5. ``metadata.json`` is written last (the coordinator), after every rank succeeded.
 
 Call sequence of ``load`` (every rank):
     1. the strategies are looked up from ``metadata.json``;
     2. ``check_backend_compatibility`` / ``check_version_compatibility``;
     3. ``LoadCommonStrategy.load_common(dir)``;
-    4. ``LoadShardedStrategy.load(sharded_state_dict, dir)``.
+    4. with ``verify_integrity``: ``files_holding(dir, keys)`` and
+       ``LoadCommonStrategy.files(dir)`` name the files to check;
+    5. ``LoadShardedStrategy.load(sharded_state_dict, dir)``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import Enum
-from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch.distributed as dist
 
 from ..errors import CheckpointingException, IncompatibleStrategyError, StrategyNotFoundError
 from ..mapping import ShardedStateDict, StateDict
@@ -34,6 +51,8 @@ if TYPE_CHECKING:
     from ..engine.async_save.calls import AsyncRequest
 
 logger = logging.getLogger(__name__)
+
+_S = TypeVar("_S")
 
 
 class StrategyAction(Enum):
@@ -51,6 +70,11 @@ RegistryKey = tuple[str, str, int]
 # (action value, backend, version). Read it through `registered_strategies()`.
 _REGISTRY: dict[RegistryKey, Any] = {}
 
+# Functions that register built-in defaults (idempotently). The package that
+# ships strategies adds its function here (``strategies/__init__.py``), so this
+# module never imports the strategies that import it.
+_DEFAULT_PROVIDERS: list[Callable[[], None]] = []
+
 # Backends we know of but do not provide, with what to do instead.
 _KNOWN_UNAVAILABLE_BACKENDS = {
     "zarr": (
@@ -60,38 +84,80 @@ _KNOWN_UNAVAILABLE_BACKENDS = {
 }
 
 
+def add_default_provider(provider: Callable[[], None]) -> None:
+    """Have ``provider`` register its defaults before every lookup (idempotent).
+
+    ``provider`` must call :func:`register_default_strategy` with
+    ``if_absent=True``, so a test that emptied the registry gets the
+    built-in strategies back on its first lookup.
+    """
+    if provider not in _DEFAULT_PROVIDERS:
+        _DEFAULT_PROVIDERS.append(provider)
+    provider()
+
+
 def _builtin_registrations() -> None:
-    """Register the strategies shipped with the library (idempotent)."""
-    from .common import register_default_common_strategies
-    from .torch import register_default_torch_strategies
-
-    register_default_torch_strategies()
-    register_default_common_strategies()
+    for provider in _DEFAULT_PROVIDERS:
+        provider()
 
 
-def registered_strategies() -> MappingProxyType[RegistryKey, Any]:
-    """A read-only view of the registry: ``(action, backend, version) -> strategy``."""
-    _builtin_registrations()
+def registered_strategies(*, load_builtins: bool = True) -> MappingProxyType[RegistryKey, Any]:
+    """A read-only view of the registry: ``(action, backend, version) -> strategy``.
+
+    With ``load_builtins`` (default) the built-in strategies are registered first.
+    """
+    if load_builtins:
+        _builtin_registrations()
     return MappingProxyType(_REGISTRY)
 
 
 def register_default_strategy(
-    action: StrategyAction, backend: str, version: int, strategy: Any, clobber: bool = False
+    action: StrategyAction,
+    backend: str,
+    version: int,
+    strategy: Any,
+    clobber: bool = False,
+    *,
+    if_absent: bool = False,
 ) -> None:
     """Make ``strategy`` the default for ``(action, backend, version)``.
 
+    Args:
+        clobber: replace a strategy registered under that key.
+        if_absent: do nothing if a strategy is registered under that key
+            (how built-in defaults register, so user registrations win).
+
     Raises:
         CheckpointingException: another strategy is registered under that key and
-            ``clobber`` is False.
+            neither ``clobber`` nor ``if_absent`` is set.
     """
     key = (action.value, backend, int(version))
     existing = _REGISTRY.get(key)
+    if existing is not None and if_absent:
+        return
     if existing is not None and existing is not strategy and not clobber:
         raise CheckpointingException(
             f"A default strategy is already registered for {key}: {existing}. "
             "Pass clobber=True to replace it."
         )
     _REGISTRY[key] = strategy
+
+
+@contextmanager
+def isolated_registry(*, empty: bool = False) -> Iterator[None]:
+    """Registrations made inside the block are undone when it ends (for tests).
+
+    With ``empty`` the block starts from an empty registry (built-in strategies
+    register again on the first lookup).
+    """
+    saved = dict(_REGISTRY)
+    if empty:
+        _REGISTRY.clear()
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
 
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
@@ -116,6 +182,27 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
     if hint:
         msg += f" Note: {hint}."
     raise StrategyNotFoundError(msg)
+
+
+def resolve_strategy(
+    given: _S | tuple[str, int] | None, default: tuple[str, int], action: StrategyAction
+) -> Any:
+    """``given`` if it is a strategy; else the registered default for ``given`` (or,
+    when ``given`` is None, for ``default``) as ``(backend, version)``."""
+    if given is None:
+        given = default
+    if isinstance(given, tuple):
+        return get_default_strategy(action, *given)
+    return given
+
+
+def bind_process_group(strategy: _S, group: dist.ProcessGroup | None) -> _S:
+    """``strategy`` bound to ``group`` if it has no group of its own (a copy: the
+    registered defaults are shared)."""
+    if group is not None and getattr(strategy, "process_group", group) is None:
+        strategy = copy.copy(strategy)
+        strategy.process_group = group  # type: ignore[attr-defined]
+    return strategy
 
 
 def check_compatibility(strategy: object, what: str, found: object, expected: object) -> None:
@@ -157,6 +244,11 @@ class SaveStrategyBase(ABC):  # noqa: B024 - abstract by role, like Megatron-Cor
         """Whether this strategy also saves ShardedObjects."""
         return False
 
+    def owns_file(self, name: str) -> bool:
+        """Whether a file called ``name`` is one this strategy writes (a directory
+        holding such files but no commit marker is an incomplete checkpoint)."""
+        return False
+
     def __str__(self) -> str:
         return f"{type(self).__name__}({self.backend}, {self.version})"
 
@@ -165,65 +257,97 @@ class LoadCommonStrategy(LoadStrategyBase):
     """Loads the common (non-sharded) part of a checkpoint."""
 
     @abstractmethod
-    def load_common(self, checkpoint_dir: str | Path) -> StateDict:
+    def load_common(self, checkpoint_dir: str | os.PathLike[str]) -> StateDict:
         """The common state dict saved by :meth:`SaveCommonStrategy.save_common`."""
 
     @abstractmethod
     def load_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
     ) -> StateDict:
         """Fill the requested ShardedObjects (only if :attr:`can_handle_sharded_objects`)."""
 
-    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> ShardedStateDict:
         """Data-less ShardedObjects stored in the checkpoint, by key."""
         if not self.can_handle_sharded_objects:
             return {}
         raise NotImplementedError
+
+    def files(self, checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+        """Names of the files :meth:`load_common` reads (for integrity checks)."""
+        return []
 
 
 class LoadShardedStrategy(LoadStrategyBase):
     """Loads ShardedTensors (and, if it can, ShardedObjects)."""
 
     @abstractmethod
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> StateDict:
         """Fill every ShardedTensor of the request; returns the loaded state dict."""
 
     @abstractmethod
-    def load_tensors_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> ShardedStateDict:
         """Data-less ShardedTensors describing every stored tensor (global shape and
         dtype), keyed by ShardedTensor key."""
 
-    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> ShardedStateDict:
         """Like :meth:`load_tensors_metadata`, plus ShardedObjects if supported."""
         if not self.can_handle_sharded_objects:
             return self.load_tensors_metadata(checkpoint_dir)
         raise NotImplementedError
 
-    def remove_sharded_tensors(self, checkpoint_dir: str | Path, key_prefix: str) -> None:
+    def remove_sharded_tensors(
+        self, checkpoint_dir: str | os.PathLike[str], key_prefix: str
+    ) -> None:
         """Remove the tensors whose key starts with ``key_prefix`` from the checkpoint."""
         raise NotImplementedError(f"{self} cannot remove sharded tensors")
+
+    def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
+        """Names of the files that hold the given keys (ShardedTensor keys and
+        ShardedObject unique keys); for integrity checks of exactly what is read."""
+        return set()
 
 
 class SaveCommonStrategy(SaveStrategyBase):
     """Saves the common (non-sharded) part of a checkpoint."""
 
     @abstractmethod
-    def save_common(self, common_state_dict: StateDict, checkpoint_dir: str | Path) -> None:
+    def save_common(
+        self, common_state_dict: StateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> None:
         """Save the common state dict (called on every rank; rank 0 writes)."""
 
     def save_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
     ) -> None:
         """Save ShardedObjects (only if :attr:`can_handle_sharded_objects`)."""
         raise NotImplementedError(f"{self} cannot save sharded objects")
+
+    def files(self, checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+        """Names of the files :meth:`save_common` wrote on this rank."""
+        return []
 
 
 class SaveShardedStrategy(SaveStrategyBase):
     """Saves ShardedTensors (and, if it can, ShardedObjects)."""
 
+    #: Files whose presence marks this format's part of a checkpoint complete; a
+    #: save over an old checkpoint removes them before writing anything.
+    commit_files: tuple[str, ...] = ()
+
     @abstractmethod
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
+    def save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> None:
         """Save every rank's shards (collective: called on every rank)."""
+
+    def files_written_by(self, checkpoint_dir: str | os.PathLike[str], rank: int) -> list[str]:
+        """Names of the data files that group rank ``rank`` wrote (for integrity)."""
+        return []
+
+    def owns_file(self, name: str) -> bool:
+        return name in self.commit_files
 
 
 class AsyncSaveShardedStrategy(SaveShardedStrategy):
@@ -231,11 +355,13 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
 
     @abstractmethod
     def async_save(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
     ) -> AsyncRequest:
         """Stage the data and return the request that writes and finalizes it."""
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
+    def save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> None:
         """Synchronous save: the async request, executed in this process."""
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
@@ -245,6 +371,10 @@ __all__ = [
     "register_default_strategy",
     "get_default_strategy",
     "registered_strategies",
+    "add_default_provider",
+    "isolated_registry",
+    "resolve_strategy",
+    "bind_process_group",
     "LoadStrategyBase",
     "SaveStrategyBase",
     "LoadCommonStrategy",

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..engine.collectives import RankGroup
 from ..engine.safety.safe_load import safe_torch_load
-from ..engine.storage.resolve import filesystem_for
+from ..engine.storage.location import CheckpointDir
+from ..engine.storage.reader import read_object_bytes
 from ..errors import CheckpointNotFoundError, UnsupportedFeatureError
 from ..mapping import ShardedStateDict, StateDict
 from .base import (
@@ -42,14 +44,12 @@ COMMON_STATE_OBJECT_KEY = "common_state/shard_0_1"
 
 def register_default_common_strategies() -> None:
     """Register the ``torch`` v1 common strategies (idempotent)."""
-    from .base import _REGISTRY
-
-    if (StrategyAction.LOAD_COMMON.value, "torch", 1) not in _REGISTRY:
-        register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
-    if (StrategyAction.SAVE_COMMON.value, "torch", 1) not in _REGISTRY:
-        register_default_strategy(
-            StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1)
-        )
+    register_default_strategy(
+        StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy(), if_absent=True
+    )
+    register_default_strategy(
+        StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1), if_absent=True
+    )
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
@@ -65,18 +65,29 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         super().__init__(backend, version)
         self.process_group = process_group
 
-    def save_common(self, common_state_dict: StateDict, checkpoint_dir: str | Path) -> None:
-        if dist.is_initialized() and dist.get_rank(self.process_group) != 0:
+    def save_common(
+        self, common_state_dict: StateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> None:
+        if not RankGroup(self.process_group).is_coordinator:
             return
-        fs = filesystem_for(checkpoint_dir)
         buf = io.BytesIO()
         torch.save(common_state_dict, buf)
-        path = fs.join(str(checkpoint_dir), COMMON_STATE_FNAME)
         # Not the commit point (metadata.json is), but never leave a partial file.
-        fs.atomic_write(path, buf.getvalue())
+        CheckpointDir.of(checkpoint_dir).atomic_write(COMMON_STATE_FNAME, buf.getvalue())
+
+    def owns_file(self, name: str) -> bool:
+        return name == COMMON_STATE_FNAME
+
+    def files(self, checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+        """``common.pt`` on the rank that writes it."""
+        if not RankGroup(self.process_group).is_coordinator:
+            return []
+        return (
+            [COMMON_STATE_FNAME] if CheckpointDir.of(checkpoint_dir).has(COMMON_STATE_FNAME) else []
+        )
 
     def save_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
     ) -> None:
         raise UnsupportedFeatureError(
             "ShardedObjects are saved by the torch_dist sharded strategy, not as separate files"
@@ -102,20 +113,24 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def check_version_compatibility(self, loaded_version: int) -> None:
         check_compatibility(self, "common backend version", loaded_version, 1)
 
-    def load_common(self, checkpoint_dir: str | Path) -> StateDict:
-        fs = filesystem_for(checkpoint_dir)
-        path = fs.join(str(checkpoint_dir), COMMON_STATE_FNAME)
-        if fs.exists(path):
-            with fs.open_read(path) as f:
-                data = f.read()
+    def load_common(self, checkpoint_dir: str | os.PathLike[str]) -> StateDict:
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        if ckpt.has(COMMON_STATE_FNAME):
             return safe_torch_load(
-                data, source=path, trusted=self.trusted, allowed_types=self.allowed_types
+                ckpt.read_bytes(COMMON_STATE_FNAME),
+                source=ckpt.path(COMMON_STATE_FNAME),
+                trusted=self.trusted,
+                allowed_types=self.allowed_types,
             )
-        return self._load_common_state_object(checkpoint_dir)
+        return self._load_common_state_object(ckpt)
 
-    def _load_common_state_object(self, checkpoint_dir: str | Path) -> StateDict:
-        from ..engine.storage.reader import read_object_bytes
+    def files(self, checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+        """``common.pt`` when the checkpoint has one."""
+        return (
+            [COMMON_STATE_FNAME] if CheckpointDir.of(checkpoint_dir).has(COMMON_STATE_FNAME) else []
+        )
 
+    def _load_common_state_object(self, checkpoint_dir: CheckpointDir) -> StateDict:
         data, source = read_object_bytes(checkpoint_dir, COMMON_STATE_OBJECT_KEY)
         if data is None:
             raise CheckpointNotFoundError(
@@ -130,7 +145,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         return payload
 
     def load_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
     ) -> StateDict:
         raise UnsupportedFeatureError(
             "ShardedObjects are loaded by the torch_dist sharded strategy, not from separate files"

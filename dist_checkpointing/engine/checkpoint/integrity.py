@@ -1,8 +1,8 @@
 """File digests for ``verify_integrity`` (Megatron-Core 0.19's save/load parameter).
 
 At save, every rank digests the data files it wrote; the coordinator writes
-``integrity.json`` (before ``metadata.json``, the commit point). At load,
-each rank re-digests the files it reads and compares.
+``integrity.json`` (before the commit marker). At load, each rank re-digests
+the files it reads and compares.
 
 Our manifest: ``{"version": 1, "algorithm": "sha256", "files": {name: hexdigest}}``.
 Manifests written by other tools are read tolerantly: ``files`` (or the top
@@ -15,10 +15,10 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 
 from ...errors import CheckpointingException, CorruptCheckpointError
-from ..storage.resolve import filesystem_for
+from ..collectives import RankGroup
+from ..storage.location import CheckpointDir
 
 logger = logging.getLogger(__name__)
 
@@ -26,13 +26,12 @@ INTEGRITY_FNAME = "integrity.json"
 _CHUNK = 8 << 20
 
 
-def file_digest(path: str | Path) -> str:
-    """The sha256 hex digest of a file."""
-    fs = filesystem_for(path)
+def file_digest(ckpt: CheckpointDir, name: str) -> str:
+    """The sha256 hex digest of file ``name`` of the checkpoint."""
     h = hashlib.sha256()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with fs.open_read(str(path)) as f:
+    with ckpt.open_read(name) as f:
         while True:
             n = f.readinto(view)
             if not n:
@@ -41,28 +40,36 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def digest_files(checkpoint_dir: str | Path, names: Iterable[str]) -> dict[str, str]:
+def digest_files(ckpt: CheckpointDir, names: Iterable[str]) -> dict[str, str]:
     """``{name: sha256}`` for the given files of the checkpoint."""
-    fs = filesystem_for(checkpoint_dir)
-    return {n: file_digest(fs.join(str(checkpoint_dir), n)) for n in sorted(set(names))}
+    return {n: file_digest(ckpt, n) for n in sorted(set(names))}
 
 
-def write_manifest(checkpoint_dir: str | Path, digests: dict[str, str]) -> None:
+def write_manifest(ckpt: CheckpointDir, digests: dict[str, str]) -> None:
     """Write ``integrity.json`` durably and atomically."""
-    fs = filesystem_for(checkpoint_dir)
     body = {"version": 1, "algorithm": "sha256", "files": dict(sorted(digests.items()))}
-    fs.atomic_write(fs.join(str(checkpoint_dir), INTEGRITY_FNAME), json.dumps(body).encode())
+    ckpt.atomic_write(INTEGRITY_FNAME, json.dumps(body).encode())
 
 
-def read_manifest(checkpoint_dir: str | Path) -> dict[str, str] | None:
+def record(ckpt: CheckpointDir, group: RankGroup, names: Iterable[str]) -> None:
+    """Every rank digests ``names`` (the files it wrote); the coordinator writes the
+    manifest of all of them (collective)."""
+    gathered = group.gather(digest_files(ckpt, names))
+    if gathered is None:
+        return
+    merged: dict[str, str] = {}
+    for digests in gathered:
+        merged.update(digests)
+    write_manifest(ckpt, merged)
+
+
+def read_manifest(ckpt: CheckpointDir) -> dict[str, str] | None:
     """``{name: sha256}`` from ``integrity.json``, or None if there is none."""
-    fs = filesystem_for(checkpoint_dir)
-    path = fs.join(str(checkpoint_dir), INTEGRITY_FNAME)
-    if not fs.exists(path):
+    if not ckpt.has(INTEGRITY_FNAME):
         return None
+    path = ckpt.path(INTEGRITY_FNAME)
     try:
-        with fs.open_read(path) as f:
-            raw = json.loads(f.read())
+        raw = json.loads(ckpt.read_bytes(INTEGRITY_FNAME))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{path}: unreadable integrity manifest ({e})") from e
     algorithm = raw.get("algorithm", "sha256") if isinstance(raw, dict) else None
@@ -78,7 +85,7 @@ def read_manifest(checkpoint_dir: str | Path) -> dict[str, str] | None:
     return out
 
 
-def verify_files(checkpoint_dir: str | Path, names: Iterable[str]) -> None:
+def verify_files(ckpt: CheckpointDir, names: Iterable[str]) -> None:
     """Check the given files against ``integrity.json``.
 
     Raises:
@@ -87,14 +94,14 @@ def verify_files(checkpoint_dir: str | Path, names: Iterable[str]) -> None:
         CorruptCheckpointError: a file is missing from the manifest or its digest
             differs; the message names every such file.
     """
-    manifest = read_manifest(checkpoint_dir)
+    manifest = read_manifest(ckpt)
     if manifest is None:
         raise CheckpointingException(
-            f"{checkpoint_dir}: verify_integrity=True but the checkpoint has no "
+            f"{ckpt}: verify_integrity=True but the checkpoint has no "
             f"{INTEGRITY_FNAME} (it was saved without verify_integrity)"
         )
     bad = []
-    for name, digest in digest_files(checkpoint_dir, names).items():
+    for name, digest in digest_files(ckpt, names).items():
         expected = manifest.get(name)
         if expected is None:
             bad.append(f"{name}: not listed in {INTEGRITY_FNAME}")
@@ -102,6 +109,16 @@ def verify_files(checkpoint_dir: str | Path, names: Iterable[str]) -> None:
             bad.append(f"{name}: sha256 {digest} differs from the recorded {expected}")
     if bad:
         raise CorruptCheckpointError(
-            f"{checkpoint_dir}: integrity check failed for {len(bad)} file(s):\n  "
-            + "\n  ".join(bad)
+            f"{ckpt}: integrity check failed for {len(bad)} file(s):\n  " + "\n  ".join(bad)
         )
+
+
+__all__ = [
+    "INTEGRITY_FNAME",
+    "digest_files",
+    "file_digest",
+    "read_manifest",
+    "record",
+    "verify_files",
+    "write_manifest",
+]

@@ -38,7 +38,7 @@ from ...errors import (
 from ..safety.safe_load import load_metadata, safe_torch_load
 from .base import ReadStream
 from .item_format import NotFastPath, TensorRecord, parse_tensor_item
-from .resolve import filesystem_for
+from .location import CheckpointDir
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +67,15 @@ class FileSystemReader(StorageReader):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], thread_count: int = 1, fast_path: bool = True
+        self,
+        path: str | os.PathLike[str] | CheckpointDir,
+        thread_count: int = 1,
+        fast_path: bool = True,
     ) -> None:
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
-        self.path = os.fspath(path)
-        self.fs = filesystem_for(self.path)
+        self._set_location(path)
         self.thread_count = thread_count
         self.fast_path = fast_path
         self.storage_data: dict[Any, Any] = {}
@@ -83,9 +85,13 @@ class FileSystemReader(StorageReader):
         """Start a new load (optionally from another directory)."""
         self.storage_data = {}
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
-            self.fs = filesystem_for(self.path)
+            self._set_location(checkpoint_id)
         self.load_id = str(uuid.uuid4())
+
+    def _set_location(self, path: str | os.PathLike[str] | CheckpointDir) -> None:
+        self.location = CheckpointDir.of(path)
+        self.path = self.location.root
+        self.fs = self.location.fs
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read ``.metadata`` with a restricted unpickler.
@@ -102,22 +108,24 @@ class FileSystemReader(StorageReader):
                 f"{self.path}: rank-local metadata files are not supported "
                 f"(requested with {args or ''}{kwargs or ''})"
             )
-        path = self.fs.join(self.path, METADATA_FILE_NAME)
-        if not self.fs.is_dir(self.path):
-            raise CheckpointNotFoundError(f"checkpoint directory {self.path} does not exist")
-        if not self.fs.exists(path):
-            raise IncompleteCheckpointError(
-                f"{path} does not exist: {self.path} is not a finished DCP checkpoint "
-                f"(its save did not complete, or it holds another format)"
-            )
-        with self.fs.open_read(path) as stream:
-            data = stream.read()
-        metadata = load_metadata(io.BytesIO(data), source=path)
+        metadata = self.location.memo(METADATA_FILE_NAME, self._parse_metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _parse_metadata(self) -> Metadata:
+        """``.metadata`` parsed by the restricted unpickler (once per location handle)."""
+        path = self.location.path(METADATA_FILE_NAME)
+        if not self.location.is_dir():
+            raise CheckpointNotFoundError(f"checkpoint directory {self.path} does not exist")
+        if not self.location.has(METADATA_FILE_NAME):
+            raise IncompleteCheckpointError(
+                f"{path} does not exist: {self.path} is not a finished DCP checkpoint "
+                f"(its save did not complete, or it holds another format)"
+            )
+        return load_metadata(io.BytesIO(self.location.read_bytes(METADATA_FILE_NAME)), source=path)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -234,7 +242,9 @@ class FileSystemReader(StorageReader):
             planner.commit_tensor(read_item, target)
 
 
-def read_object_bytes(checkpoint_dir: str | os.PathLike[str], key: str) -> tuple[bytes | None, str]:
+def read_object_bytes(
+    checkpoint_dir: str | os.PathLike[str] | CheckpointDir, key: str
+) -> tuple[bytes | None, str]:
     """The stored bytes of the bytes item ``key`` (e.g. a ShardedObject's DCP key).
 
     Returns ``(data, source)``, where ``source`` names the file and offset (for error

@@ -10,10 +10,10 @@ the requested shapes, read only the byte ranges this rank needs.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from collections.abc import Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,12 +24,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..._torch_compat import DATA_FILE_SUFFIX
 from ...dict_utils import dict_list_map_outplace
 from ...engine.async_save.calls import AsyncRequest
 from ...engine.collectives import raise_on_all_ranks
 from ...engine.safety.safe_load import safe_torch_load
+from ...engine.storage.location import CheckpointDir
 from ...engine.storage.reader import FileSystemReader
-from ...engine.storage.resolve import filesystem_for
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ..base import (
     AsyncSaveShardedStrategy,
@@ -57,19 +58,25 @@ METADATA_FNAME = ".metadata"
 
 def register_default_torch_strategies() -> None:
     """Register the ``torch_dist`` v1 strategies (idempotent)."""
-    from ..base import _REGISTRY
+    register_default_strategy(
+        StrategyAction.LOAD_SHARDED,
+        BACKEND,
+        VERSION,
+        TorchDistLoadShardedStrategy(),
+        if_absent=True,
+    )
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED,
+        BACKEND,
+        VERSION,
+        TorchDistSaveShardedStrategy(BACKEND, VERSION),
+        if_absent=True,
+    )
 
-    if (StrategyAction.LOAD_SHARDED.value, BACKEND, VERSION) not in _REGISTRY:
-        register_default_strategy(
-            StrategyAction.LOAD_SHARDED, BACKEND, VERSION, TorchDistLoadShardedStrategy()
-        )
-    if (StrategyAction.SAVE_SHARDED.value, BACKEND, VERSION) not in _REGISTRY:
-        register_default_strategy(
-            StrategyAction.SAVE_SHARDED,
-            BACKEND,
-            VERSION,
-            TorchDistSaveShardedStrategy(BACKEND, VERSION),
-        )
+
+def _data_file_prefix(rank: int) -> str:
+    """Data files of group rank ``rank`` are named ``__<rank>_<n>.distcp``."""
+    return f"__{rank}_"
 
 
 def _drop_empty_flat(by_key: dict[str, list[ShardedBase]]) -> dict[str, list[ShardedBase]]:
@@ -124,12 +131,22 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.process_group = process_group
         self._cached_structure: CachedStructure | None = None
 
+    commit_files = (METADATA_FNAME,)
+
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    def files_written_by(self, checkpoint_dir: str | os.PathLike[str], rank: int) -> list[str]:
+        prefix = _data_file_prefix(rank)
+        names = CheckpointDir.of(checkpoint_dir).listdir()
+        return [n for n in names if n.startswith(prefix) and n.endswith(DATA_FILE_SUFFIX)]
+
+    def owns_file(self, name: str) -> bool:
+        return name in self.commit_files or name.endswith(DATA_FILE_SUFFIX)
+
     def async_save(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
     ) -> AsyncRequest:
         """Plan collectively and return the request that stages, writes and commits.
 
@@ -139,20 +156,25 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """
         return self._request(sharded_state_dict, checkpoint_dir, in_process=False)
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
+    def save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> None:
         """Synchronous save: the same request, written by threads of this process."""
         request = self._request(sharded_state_dict, checkpoint_dir, in_process=True)
         request.execute_sync(self.process_group)
 
     def _request(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path, in_process: bool
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: str | os.PathLike[str],
+        in_process: bool,
     ) -> AsyncRequest:
         by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, self.keep_only_main_replica
         )
         by_key = _drop_empty_flat(by_key)
         writer = FileSystemWriterAsync(
-            str(checkpoint_dir),
+            os.fspath(checkpoint_dir),
             thread_count=self.thread_count,
             separation_hint=self.separation_hint,
         )
@@ -176,10 +198,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             planner=planner,
         )
         return AsyncRequest(save_fn, tuple(save_args), [finalize], preload_fn=preload_fn)
-
-
-def _metadata_path(checkpoint_dir: str | Path) -> str:
-    return filesystem_for(checkpoint_dir).join(str(checkpoint_dir), METADATA_FNAME)
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -213,7 +231,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def check_version_compatibility(self, loaded_version: int) -> None:
         check_compatibility(self, "sharded backend version", loaded_version, VERSION)
 
-    def _object_loader(self, checkpoint_dir: str | Path) -> Any:
+    def _object_loader(self, checkpoint_dir: str | os.PathLike[str]) -> Any:
         def load(data: bytes, key: str) -> Any:
             return safe_torch_load(
                 data,
@@ -224,7 +242,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
         return load
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> StateDict:
         """Fill every ShardedTensor/ShardedObject of the request (collective).
 
         ShardedTensors without data are allocated on the CPU. Returns the state
@@ -247,8 +267,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             lambda x: x.data if isinstance(x, ShardedBase) else x, sharded_state_dict
         )
 
-    def _read(self, by_key: dict[str, list[ShardedBase]], checkpoint_dir: str | Path) -> None:
-        reader = FileSystemReader(str(checkpoint_dir))
+    def _read(
+        self, by_key: dict[str, list[ShardedBase]], checkpoint_dir: str | os.PathLike[str]
+    ) -> None:
+        reader = FileSystemReader(CheckpointDir.of(checkpoint_dir))
         metadata = reader.read_metadata()
         is_coordinator = not dist.is_initialized() or dist.get_rank(self.process_group) == 0
         planner = MCoreLoadPlanner(self._object_loader(checkpoint_dir))
@@ -260,7 +282,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         planner.check_complete()
 
     def load_tensors_metadata(
-        self, checkpoint_dir: str | Path, metadata: Metadata | None = None
+        self, checkpoint_dir: str | os.PathLike[str], metadata: Metadata | None = None
     ) -> ShardedStateDict:
         """Data-less ShardedTensors (logical global shape and dtype) by key.
 
@@ -268,7 +290,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         logical shape, as flat ShardedTensors covering the whole tensor.
         """
         if metadata is None:
-            metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
+            metadata = FileSystemReader(CheckpointDir.of(checkpoint_dir)).read_metadata()
         mcore_data = getattr(metadata, "mcore_data", None) or {}
         out: ShardedStateDict = {}
         for key, md in metadata.state_dict_metadata.items():
@@ -288,11 +310,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 ).without_data()
         return out
 
-    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> ShardedStateDict:
         """Tensors (see :meth:`load_tensors_metadata`) and ShardedObjects (by unique key)."""
         from ..common import COMMON_STATE_OBJECT_KEY
 
-        metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
+        metadata = FileSystemReader(CheckpointDir.of(checkpoint_dir)).read_metadata()
         out: ShardedStateDict = {}
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata) and key != COMMON_STATE_OBJECT_KEY:
@@ -301,14 +323,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
         return out
 
-    def remove_sharded_tensors(self, checkpoint_dir: str | Path, key_prefix: str) -> None:
+    def remove_sharded_tensors(
+        self, checkpoint_dir: str | os.PathLike[str], key_prefix: str
+    ) -> None:
         """Remove the tensors whose key starts with ``key_prefix`` (run on one rank).
 
         Crash-safe: the new ``.metadata`` is durable before any data file is
         deleted, and a data file that still holds other items is kept.
         """
-        fs = filesystem_for(checkpoint_dir)
-        old = FileSystemReader(str(checkpoint_dir)).read_metadata()
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        old = FileSystemReader(ckpt).read_metadata()
         keep_sd = {
             k: v
             for k, v in old.state_dict_metadata.items()
@@ -325,11 +349,18 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         mcore_data = getattr(old, "mcore_data", None)
         if mcore_data is not None:
             new.mcore_data = {k: v for k, v in mcore_data.items() if k in keep_sd}  # type: ignore[attr-defined]
-        fs.atomic_write(_metadata_path(checkpoint_dir), pickle.dumps(new))
+        ckpt.atomic_write(METADATA_FNAME, pickle.dumps(new))
         used = {info.relative_path for info in keep_storage.values()}
         for info in (old.storage_data or {}).values():
-            if info.relative_path not in used:
-                path = fs.join(str(checkpoint_dir), info.relative_path)
-                if fs.exists(path):
-                    fs.remove(path)
-                    used.add(info.relative_path)  # remove each file once
+            if info.relative_path not in used and ckpt.has(info.relative_path):
+                ckpt.remove(info.relative_path)
+                used.add(info.relative_path)  # remove each file once
+
+    def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
+        """The data files holding the items of ``keys`` (from ``.metadata``)."""
+        metadata = FileSystemReader(CheckpointDir.of(checkpoint_dir)).read_metadata()
+        return {
+            info.relative_path
+            for index, info in (metadata.storage_data or {}).items()
+            if index.fqn in keys
+        }

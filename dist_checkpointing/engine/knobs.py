@@ -1,0 +1,139 @@
+"""Tunables: one table, each with a documented default and an environment override.
+
+Precedence, highest first: an explicit argument of the API call, the
+environment variable ``DIST_CKPT_<NAME>``, the default below. Environment
+values are read when the knob is used (not at import), so a launcher can set
+them per job. A malformed value raises :class:`~dist_checkpointing.errors.InvalidArgumentError`
+naming the variable.
+
+============================== ========== ===================================================
+Knob (env ``DIST_CKPT_...``)   Default    What it controls
+============================== ========== ===================================================
+SAVE_THREAD_COUNT              2          data files (and writer workers) per rank per save
+PER_THREAD_COPY_AHEAD          10000000   bytes a writer stages ahead of the file it writes
+WRITE_BUFFER_BYTES             262144     buffer of data files opened for writing
+RESULTS_TIMEOUT_S              10.0       wait for a finished writer's results at finalize
+READ_WINDOW_BYTES              16777216   largest read that serves several small items
+READ_SMALL_ITEM_BYTES          1048576    items below this are read through a window
+READ_MAX_GAP_BYTES             262144     largest gap between items merged into one read
+INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
+ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
+ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent
+ASYNC_WORKER_JOIN_TIMEOUT_S    300.0      wait for a writer process to stop at close
+ERROR_TEXT_CHARS               8000       longest error text a child reports to its parent
+============================== ========== ===================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from ..errors import InvalidArgumentError
+
+ENV_PREFIX = "DIST_CKPT_"
+
+N = TypeVar("N", int, float)
+
+
+@dataclass(frozen=True)
+class Knob(Generic[N]):
+    """One tunable: its name (the environment variable is ``DIST_CKPT_<name>``),
+    its default and the smallest value that makes sense."""
+
+    name: str
+    default: N
+    minimum: N
+    doc: str
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX + self.name
+
+    def get(self, explicit: N | None = None) -> N:
+        """``explicit`` if given, else the environment's value, else the default."""
+        if explicit is not None:
+            return explicit
+        raw = os.environ.get(self.env_var)
+        if raw is None or raw.strip() == "":
+            return self.default
+        kind = type(self.default)
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{self.env_var}={raw!r} is not a valid {kind.__name__} ({self.doc})"
+            ) from None
+        if value < self.minimum:
+            raise InvalidArgumentError(
+                f"{self.env_var}={raw!r} is below the minimum {self.minimum} ({self.doc})"
+            )
+        return value
+
+
+SAVE_THREAD_COUNT = Knob("SAVE_THREAD_COUNT", 2, 1, "data files per rank per save")
+PER_THREAD_COPY_AHEAD = Knob(
+    "PER_THREAD_COPY_AHEAD", 10_000_000, 0, "bytes a writer stages ahead of the file it writes"
+)
+WRITE_BUFFER_BYTES = Knob(
+    "WRITE_BUFFER_BYTES", 256 << 10, 0, "buffer of data files opened for writing"
+)
+RESULTS_TIMEOUT_S = Knob(
+    "RESULTS_TIMEOUT_S", 10.0, 0.0, "seconds to wait for a finished writer's results"
+)
+READ_WINDOW_BYTES = Knob(
+    "READ_WINDOW_BYTES", 16 << 20, 1, "largest read that serves several small items"
+)
+READ_SMALL_ITEM_BYTES = Knob(
+    "READ_SMALL_ITEM_BYTES", 1 << 20, 0, "items below this size are read through a window"
+)
+READ_MAX_GAP_BYTES = Knob(
+    "READ_MAX_GAP_BYTES", 256 << 10, 0, "largest gap between items merged into one read"
+)
+INTEGRITY_CHUNK_BYTES = Knob("INTEGRITY_CHUNK_BYTES", 8 << 20, 1, "read size when digesting")
+ASYNC_POLL_INTERVAL_S = Knob(
+    "ASYNC_POLL_INTERVAL_S", 0.05, 0.001, "how often a blocking finalize polls its caller"
+)
+ASYNC_WORKER_IDLE_CHECK_S = Knob(
+    "ASYNC_WORKER_IDLE_CHECK_S", 1.0, 0.01, "how often the persistent worker checks its parent"
+)
+ASYNC_WORKER_JOIN_TIMEOUT_S = Knob(
+    "ASYNC_WORKER_JOIN_TIMEOUT_S", 300.0, 0.0, "seconds to wait for a writer process to stop"
+)
+ERROR_TEXT_CHARS = Knob(
+    "ERROR_TEXT_CHARS", 8000, 200, "longest error text a child process reports to its parent"
+)
+
+ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
+    SAVE_THREAD_COUNT,
+    PER_THREAD_COPY_AHEAD,
+    WRITE_BUFFER_BYTES,
+    RESULTS_TIMEOUT_S,
+    READ_WINDOW_BYTES,
+    READ_SMALL_ITEM_BYTES,
+    READ_MAX_GAP_BYTES,
+    INTEGRITY_CHUNK_BYTES,
+    ASYNC_POLL_INTERVAL_S,
+    ASYNC_WORKER_IDLE_CHECK_S,
+    ASYNC_WORKER_JOIN_TIMEOUT_S,
+    ERROR_TEXT_CHARS,
+)
+
+__all__ = [
+    "ALL_KNOBS",
+    "ENV_PREFIX",
+    "Knob",
+    "SAVE_THREAD_COUNT",
+    "PER_THREAD_COPY_AHEAD",
+    "WRITE_BUFFER_BYTES",
+    "RESULTS_TIMEOUT_S",
+    "READ_WINDOW_BYTES",
+    "READ_SMALL_ITEM_BYTES",
+    "READ_MAX_GAP_BYTES",
+    "INTEGRITY_CHUNK_BYTES",
+    "ASYNC_POLL_INTERVAL_S",
+    "ASYNC_WORKER_IDLE_CHECK_S",
+    "ASYNC_WORKER_JOIN_TIMEOUT_S",
+    "ERROR_TEXT_CHARS",
+]

@@ -1,0 +1,119 @@
+"""Preparing a sharded state dict for a save or a load (Megatron-Core's module path).
+
+``save_preprocess``: apply factories, drop non-persistent leaves, split the
+sharded part from the common part, validate the sharding (collective).
+``load_preprocess``: apply factories (kept for merging back), unwrap the
+non-persistent leaves, keep the sharded request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .dict_utils import dict_list_map_inplace, diff, extract_matching_values
+from .engine.collectives import ProcessGroup, RankGroup
+from .mapping import (
+    CommonStateDict,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+)
+from .utils import extract_nonpersistent, extract_sharded_base
+from .validation import gather_shard_records, validate_sharding_integrity_on_all_ranks
+
+logger = logging.getLogger(__name__)
+
+
+def filter_out_empty_flatten_tensor(sharded_state_dict: ShardedStateDict) -> ShardedStateDict:
+    """Drop flat ShardedTensors whose range is empty (they hold no data)."""
+    _, kept = extract_matching_values(
+        sharded_state_dict,
+        lambda x: (
+            isinstance(x, ShardedTensor)
+            and x.flattened_range is not None
+            and x.flattened_range.stop <= x.flattened_range.start
+        ),
+    )
+    return kept  # type: ignore[return-value]
+
+
+def check_common_consistency(common_state_dict: CommonStateDict, group: RankGroup) -> None:
+    """Log (on the coordinator) where other ranks' common state differs from its own."""
+    if not group.distributed:
+        return
+    gathered = group.gather(common_state_dict)
+    if gathered is None:
+        return
+    for rank, other in enumerate(gathered[1:], start=1):
+        only_0, only_r, mismatch = diff(gathered[0], other)
+        if only_0 or only_r or mismatch:
+            logger.warning(
+                "Common state differs between rank 0 and rank %d (rank 0 wins): only on rank 0: "
+                "%s; only on rank %d: %s; different values: %s",
+                rank,
+                only_0,
+                rank,
+                only_r,
+                [m[0] for m in mismatch],
+            )
+
+
+def save_preprocess(
+    sharded_state_dict: ShardedStateDict,
+    validate_access_integrity: bool = True,
+    preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict]
+    | None = None,
+    process_group: ProcessGroup = None,
+) -> tuple[ShardedStateDict, StateDict]:
+    """Split ``sharded_state_dict`` into its sharded and common parts for saving.
+
+    Steps: apply factories, drop LocalNonpersistentObjects, split ShardedBase
+    leaves from the rest, drop empty flat ranges, and (when validating) check on
+    every rank of ``process_group`` that main replicas cover every global tensor
+    exactly once, and log common-state differences between ranks.
+
+    Returns:
+        ``(sharded_part, common_part)``.
+    """
+    apply_factories(sharded_state_dict)
+    _, persistent = extract_nonpersistent(sharded_state_dict)
+    sharded_part, common_part = extract_sharded_base(persistent)
+    sharded_part = filter_out_empty_flatten_tensor(sharded_part)
+    if validate_access_integrity:
+        _, global_metadata = gather_shard_records(sharded_part, process_group)
+        validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
+        to_check: Any = common_part
+        if preprocess_common_before_consistancy_check is not None:
+            to_check = preprocess_common_before_consistancy_check(common_part)
+        check_common_consistency(to_check, RankGroup(process_group))
+    return sharded_part, common_part
+
+
+def load_preprocess(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict, ShardedStateDict]:
+    """Split a load request into what the strategies read and what is merged back.
+
+    Returns:
+        ``(sharded_state_dict, nonpersistent_state_dict, sh_ten_factories)``: the
+        ShardedBase leaves to read (factories applied), the unwrapped
+        LocalNonpersistentObjects, and the factories (for ``apply_factory_merges``).
+    """
+    nonpersistent, request = extract_nonpersistent(sharded_state_dict)
+    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
+    factories, _ = extract_matching_values(request, lambda x: isinstance(x, ShardedTensorFactory))
+    apply_factories(request)
+    request, _ = extract_sharded_base(request)
+    return request, nonpersistent, factories  # type: ignore[return-value]
+
+
+__all__ = [
+    "check_common_consistency",
+    "filter_out_empty_flatten_tensor",
+    "load_preprocess",
+    "save_preprocess",
+]
