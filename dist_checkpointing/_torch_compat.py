@@ -29,16 +29,16 @@ Re-exported:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.storage
 from torch._utils import _rebuild_tensor_v2, _rebuild_tensor_v3
 from torch.distributed._shard.metadata import ShardMetadata as _ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard as _Shard
-from torch.distributed._shard.sharded_tensor import ShardedTensor as _ShardedTensor
-from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata as _STMetadata
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor as _ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata as _STMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as _STProperties
+from torch.distributed._shard.sharded_tensor.shard import Shard as _Shard
 from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 
 StorageInfo = _dcp_filesystem._StorageInfo
@@ -73,7 +73,9 @@ def legacy_storage_name(dtype: torch.dtype) -> str | None:
 def new_shared_tensor_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized CPU tensor like ``t`` whose storage is in shared memory from
     the start (``share_memory_()`` on a fresh tensor would copy it once more)."""
-    storage = torch.UntypedStorage._new_shared(t.numel() * t.element_size())
+    nbytes = t.numel() * t.element_size()
+    # ``_new_shared`` is untyped in torch's stubs.
+    storage = cast(Any, torch.UntypedStorage)._new_shared(nbytes)
     return torch.empty(0, dtype=t.dtype).set_(storage).view(t.shape)
 
 

@@ -14,14 +14,14 @@ import torch
 T = TypeVar("T")
 U = TypeVar("U")
 
-NestedContainer = dict | list
+NestedContainer = dict[Any, Any] | list[Any]
 
 
 def extract_matching_values(
-    x: dict | list,
+    x: NestedContainer,
     predicate: Callable[[Any], bool],
     return_lists_as_dicts: bool = False,
-) -> tuple[dict | list, dict | list]:
+) -> tuple[NestedContainer, NestedContainer]:
     """Split a nested dict/list into the leaves matching ``predicate`` and the rest.
 
     Args:
@@ -38,7 +38,7 @@ def extract_matching_values(
         survives in the common state.
     """
 
-    def _set(target: dict | list, key: Any, value: Any) -> None:
+    def _set(target: NestedContainer, key: Any, value: Any) -> None:
         if isinstance(target, dict):
             target[key] = value
         else:
@@ -47,8 +47,8 @@ def extract_matching_values(
     def _split(obj: Any) -> tuple[Any, Any]:
         if isinstance(obj, dict):
             items: Iterable[tuple[Any, Any]] = obj.items()
-            match: dict | list = {}
-            other: dict | list = {}
+            match: NestedContainer = {}
+            other: NestedContainer = {}
         elif isinstance(obj, list):
             items = enumerate(obj)
             match = {} if return_lists_as_dicts else []
@@ -71,7 +71,7 @@ def extract_matching_values(
     return _split(x)
 
 
-def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
+def diff(x1: Any, x2: Any, prefix: tuple[Any, ...] = ()) -> tuple[list[Any], list[Any], list[Any]]:
     """Recursive comparison of two nested containers.
 
     Returns:
@@ -79,7 +79,7 @@ def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
         only in ``x2``, and paths whose leaf values differ (tensors compared by
         value, a mismatch entry is ``(path, type(x1), type(x2))``).
     """
-    mismatch: list = []
+    mismatch: list[Any] = []
     if isinstance(x1, dict) and isinstance(x2, dict):
         only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
         only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
@@ -114,7 +114,7 @@ def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
     return only_left, only_right, mismatch
 
 
-def inspect_types(x: Any, prefix: tuple = (), indent: int = 4) -> list[str]:
+def inspect_types(x: Any, prefix: tuple[Any, ...] = (), indent: int = 4) -> list[str]:
     """Lines describing the structure and leaf types of a nested container."""
     lines: list[str] = []
     pad = " " * indent * len(prefix)
@@ -135,7 +135,7 @@ def inspect_types(x: Any, prefix: tuple = (), indent: int = 4) -> list[str]:
     return lines
 
 
-def nested_values(x: dict | list) -> Iterator[Any]:
+def nested_values(x: NestedContainer) -> Iterator[Any]:
     """Yield every leaf of a nested dict/list."""
     for v in x.values() if isinstance(x, dict) else x:
         if isinstance(v, (dict, list)):
@@ -144,7 +144,7 @@ def nested_values(x: dict | list) -> Iterator[Any]:
             yield v
 
 
-def nested_items_iter(x: dict | list) -> Iterator[tuple[Any, Any]]:
+def nested_items_iter(x: NestedContainer) -> Iterator[tuple[Any, Any]]:
     """Yield ``(key, leaf)`` for every leaf; the key is the leaf's own key or index."""
     for k, v in x.items() if isinstance(x, dict) else enumerate(x):
         if isinstance(v, (dict, list)):
@@ -153,7 +153,9 @@ def nested_items_iter(x: dict | list) -> Iterator[tuple[Any, Any]]:
             yield k, v
 
 
-def nested_paths_iter(x: dict | list, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+def nested_paths_iter(
+    x: NestedContainer, prefix: tuple[Any, ...] = ()
+) -> Iterator[tuple[tuple[Any, ...], Any]]:
     """Yield ``(path, leaf)`` for every leaf; the path is the tuple of keys/indices."""
     for k, v in x.items() if isinstance(x, dict) else enumerate(x):
         if isinstance(v, (dict, list)):
@@ -162,7 +164,7 @@ def nested_paths_iter(x: dict | list, prefix: tuple = ()) -> Iterator[tuple[tupl
             yield prefix + (k,), v
 
 
-def dict_map(f: Callable[[Any], Any], x: dict) -> None:
+def dict_map(f: Callable[[Any], Any], x: dict[Any, Any]) -> None:
     """Apply ``f`` to every leaf of a nested dict in place (lists are leaves)."""
     for k, v in x.items():
         if isinstance(v, dict):
@@ -171,7 +173,7 @@ def dict_map(f: Callable[[Any], Any], x: dict) -> None:
             x[k] = f(v)
 
 
-def dict_map_with_key(f: Callable[[Any, Any], Any], x: dict) -> None:
+def dict_map_with_key(f: Callable[[Any, Any], Any], x: dict[Any, Any]) -> None:
     """Like :func:`dict_map`, with ``f(key, value)``."""
     for k, v in x.items():
         if isinstance(v, dict):
@@ -201,7 +203,7 @@ def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
     return f(x)
 
 
-def merge(x1: dict | list, x2: dict | list, key: tuple = ()) -> dict | list:
+def merge(x1: NestedContainer, x2: NestedContainer, key: tuple[Any, ...] = ()) -> NestedContainer:
     """Merge ``x2`` into ``x1`` in place (dicts by key, lists by position); returns ``x1``.
 
     Raises:
@@ -234,10 +236,10 @@ def map_reduce(
     xs: Iterable[T],
     key_fn: Callable[[T], Any] = lambda x: x,
     value_fn: Callable[[T], Any] = lambda x: x,
-    reduce_fn: Callable[[list], Any] = lambda x: x,
-) -> dict:
+    reduce_fn: Callable[[list[Any]], Any] = lambda x: x,
+) -> dict[Any, Any]:
     """Group ``xs`` by ``key_fn``, map each with ``value_fn`` and reduce each group."""
-    groups: defaultdict[Any, list] = defaultdict(list)
+    groups: defaultdict[Any, list[Any]] = defaultdict(list)
     for x in xs:
         groups[key_fn(x)].append(value_fn(x))
     return {k: reduce_fn(v) for k, v in groups.items()}

@@ -49,6 +49,7 @@ from .strategies.base import (
     SaveShardedStrategy,
     StrategyAction,
     bind_process_group,
+    expect_strategy,
     get_default_strategy,
     registered_strategies,
     resolve_strategy,
@@ -90,14 +91,16 @@ def get_default_save_sharded_strategy(
     backend: str = "torch_dist", version: int = 1
 ) -> SaveShardedStrategy:
     """The registered default sharded save strategy for ``(backend, version)``."""
-    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+    return expect_strategy(strategy, SaveShardedStrategy)
 
 
 def get_default_save_common_strategy(
     backend: str = "torch", version: int = 1
 ) -> SaveCommonStrategy:
     """The registered default common save strategy for ``(backend, version)``."""
-    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+    strategy = get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+    return expect_strategy(strategy, SaveCommonStrategy)
 
 
 def get_default_load_sharded_strategy(
@@ -157,10 +160,8 @@ def verify_checkpoint_and_load_strategy(
         (config.common_backend, config.common_backend_version),
         StrategyAction.LOAD_COMMON,
     )
-    if not isinstance(sharded, LoadShardedStrategy):
-        raise CheckpointingException(f"{sharded!r} is not a LoadShardedStrategy")
-    if not isinstance(common, LoadCommonStrategy):
-        raise CheckpointingException(f"{common!r} is not a LoadCommonStrategy")
+    sharded = expect_strategy(sharded, LoadShardedStrategy)
+    common = expect_strategy(common, LoadCommonStrategy)
     sharded.check_backend_compatibility(config.sharded_backend)
     sharded.check_version_compatibility(config.sharded_backend_version)
     common.check_backend_compatibility(config.common_backend)
@@ -176,10 +177,8 @@ def _save_strategies(
 ) -> tuple[SaveShardedStrategy, SaveCommonStrategy]:
     sharded = resolve_strategy(sharded_strategy, ("torch_dist", 1), StrategyAction.SAVE_SHARDED)
     common = resolve_strategy(common_strategy, ("torch", 1), StrategyAction.SAVE_COMMON)
-    if not isinstance(sharded, SaveShardedStrategy):
-        raise CheckpointingException(f"{sharded!r} is not a SaveShardedStrategy")
-    if not isinstance(common, SaveCommonStrategy):
-        raise CheckpointingException(f"{common!r} is not a SaveCommonStrategy")
+    sharded = expect_strategy(sharded, SaveShardedStrategy)
+    common = expect_strategy(common, SaveCommonStrategy)
     if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
         raise CheckpointingException(f"{sharded} does not support async saves")
     return bind_process_group(sharded, process_group), bind_process_group(common, process_group)
@@ -497,7 +496,7 @@ def load(
     loaded = strategies[0].load(request, ckpt)
     merge(common_state_dict, loaded)
     merge(common_state_dict, nonpersistent)
-    result = apply_factory_merges(common_state_dict, factories)
+    result: StateDict = apply_factory_merges(common_state_dict, factories)
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
     return result

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _S = TypeVar("_S")
+_T = TypeVar("_T")
 
 
 class StrategyAction(Enum):
@@ -194,6 +195,13 @@ def resolve_strategy(
     if isinstance(given, tuple):
         return get_default_strategy(action, *given)
     return given
+
+
+def expect_strategy(strategy: Any, kind: type[_T]) -> _T:
+    """``strategy`` if it is a ``kind``; else a :class:`CheckpointingException` saying so."""
+    if not isinstance(strategy, kind):
+        raise CheckpointingException(f"{strategy!r} is not a {kind.__name__}")
+    return strategy
 
 
 def bind_process_group(strategy: _S, group: dist.ProcessGroup | None) -> _S:
@@ -375,6 +383,7 @@ __all__ = [
     "isolated_registry",
     "resolve_strategy",
     "bind_process_group",
+    "expect_strategy",
     "LoadStrategyBase",
     "SaveStrategyBase",
     "LoadCommonStrategy",

@@ -17,6 +17,7 @@ import io
 import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from ..engine.collectives import RankGroup
 from ..engine.safety.safe_load import safe_torch_load
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.reader import read_object_bytes
-from ..errors import CheckpointNotFoundError, UnsupportedFeatureError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFeatureError
 from ..mapping import ShardedStateDict, StateDict
 from .base import (
     LoadCommonStrategy,
@@ -50,6 +51,15 @@ def register_default_common_strategies() -> None:
     register_default_strategy(
         StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1), if_absent=True
     )
+
+
+def _as_state_dict(payload: Any, source: str) -> StateDict:
+    """The loaded common state, which must be a dict."""
+    if not isinstance(payload, dict):
+        raise CorruptCheckpointError(
+            f"{source}: the common state must be a dict, found {type(payload).__name__}"
+        )
+    return payload
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
@@ -116,12 +126,14 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def load_common(self, checkpoint_dir: str | os.PathLike[str]) -> StateDict:
         ckpt = CheckpointDir.of(checkpoint_dir)
         if ckpt.has(COMMON_STATE_FNAME):
-            return safe_torch_load(
+            source = ckpt.path(COMMON_STATE_FNAME)
+            payload = safe_torch_load(
                 ckpt.read_bytes(COMMON_STATE_FNAME),
-                source=ckpt.path(COMMON_STATE_FNAME),
+                source=source,
                 trusted=self.trusted,
                 allowed_types=self.allowed_types,
             )
+            return _as_state_dict(payload, source)
         return self._load_common_state_object(ckpt)
 
     def files(self, checkpoint_dir: str | os.PathLike[str]) -> list[str]:
@@ -142,7 +154,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         )
         if isinstance(payload, list) and len(payload) == 1:
             payload = payload[0]
-        return payload
+        return _as_state_dict(payload, source)
 
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]

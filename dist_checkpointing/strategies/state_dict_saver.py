@@ -60,7 +60,12 @@ def _decentralized(planner: SavePlanner) -> bool:
     return bool(getattr(planner, "supports_decentralized_plan", False))
 
 
-def _compact_results(results: list[WriteResult]) -> list[tuple]:
+# A write result as a plain tuple: fqn, chunk offset, size, file, file offset, length,
+# transform descriptors.
+_ResultRecord = tuple[Any, ...]
+
+
+def _compact_results(results: list[WriteResult]) -> list[_ResultRecord]:
     """Write results as plain tuples (they pickle an order of magnitude faster)."""
     out = []
     for r in results:
@@ -80,7 +85,7 @@ def _compact_results(results: list[WriteResult]) -> list[tuple]:
     return out
 
 
-def _expand_results(records: list[tuple]) -> list[WriteResult]:
+def _expand_results(records: list[_ResultRecord]) -> list[WriteResult]:
     return [
         WriteResult(
             MetadataIndex(fqn, None if offset is None else torch.Size(offset)),
@@ -228,7 +233,7 @@ def save_state_dict_async_finalize(
     group = RankGroup(process_group, coordinator_rank)
     pending = structure is not None and structure.metadata_pending
 
-    def collect() -> tuple[list[tuple], Any]:
+    def collect() -> tuple[list[_ResultRecord], Any]:
         results = storage_writer.retrieve_write_results()  # type: ignore[attr-defined]
         records = planner.plan_records(structure.local_plan) if pending else None  # type: ignore[union-attr]
         return _compact_results(results), records

@@ -263,9 +263,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
         raise_on_all_ranks(error, self.process_group, what=f"Loading {checkpoint_dir}")
-        return dict_list_map_outplace(
+        loaded: StateDict = dict_list_map_outplace(
             lambda x: x.data if isinstance(x, ShardedBase) else x, sharded_state_dict
         )
+        return loaded
 
     def _read(
         self, by_key: dict[str, list[ShardedBase]], checkpoint_dir: str | os.PathLike[str]
