@@ -17,19 +17,19 @@ import logging
 from collections.abc import Iterable
 
 from ...errors import CheckpointingException, CorruptCheckpointError
+from .. import knobs
 from ..collectives import RankGroup
 from ..storage.location import CheckpointDir
 
 logger = logging.getLogger(__name__)
 
 INTEGRITY_FNAME = "integrity.json"
-_CHUNK = 8 << 20
 
 
 def file_digest(ckpt: CheckpointDir, name: str) -> str:
     """The sha256 hex digest of file ``name`` of the checkpoint."""
     h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
+    buf = bytearray(knobs.INTEGRITY_CHUNK_BYTES.get())
     view = memoryview(buf)
     with ckpt.open_read(name) as f:
         while True:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..._torch_compat import DATA_FILE_SUFFIX
 from ...dict_utils import dict_list_map_outplace
+from ...engine import knobs
 from ...engine.async_save.calls import AsyncRequest
 from ...engine.collectives import raise_on_all_ranks
 from ...engine.safety.safe_load import safe_torch_load
@@ -105,7 +106,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         version: ``1``.
         keep_only_main_replica: write only ``replica_id == 0`` shards (otherwise
             DCP's deduplication picks one writer per chunk).
-        thread_count: data files (and writer processes) per rank.
+        thread_count: data files (and writer processes) per rank (default: the
+            ``SAVE_THREAD_COUNT`` knob, 2).
         cached_metadata: reuse the global plan and metadata of the previous save
             when every rank's local plan is unchanged (no plan exchange).
         separation_hint: key prefix whose items go to files of their own.
@@ -117,7 +119,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         backend: str = BACKEND,
         version: int = VERSION,
         keep_only_main_replica: bool = True,
-        thread_count: int = 2,
+        thread_count: int | None = None,
         cached_metadata: bool = False,
         separation_hint: str | None = None,
         *,
@@ -125,7 +127,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     ) -> None:
         super().__init__(backend, version)
         self.keep_only_main_replica = keep_only_main_replica
-        self.thread_count = thread_count
+        self.thread_count = knobs.SAVE_THREAD_COUNT.get(thread_count)
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
         self.process_group = process_group
