@@ -2,8 +2,8 @@
 
 - Tests marked ``gpu`` are skipped when no CUDA device is available.
 - Every test gets a fresh strategy registry (changes made by a test are undone).
-- Multi-rank tests use :func:`tests.harness.run_distributed`; parametrize their world size with
-  :func:`tests.harness.world_sizes` (``@world_sizes(1, 2, 4)``) or take the ``world_size``
+- Multi-rank tests use :func:`tests.support.harness.run_distributed`; parametrize their world size with
+  :func:`tests.support.harness.world_sizes` (``@world_sizes(1, 2, 4)``) or take the ``world_size``
   fixture below, which runs the test with 1, 2 and 4 ranks.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import cuda_device_count
+from tests.support.harness import cuda_device_count
 
 DEFAULT_WORLD_SIZES = (1, 2, 4)
 

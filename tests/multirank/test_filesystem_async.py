@@ -53,7 +53,7 @@ from dist_checkpointing.strategies.filesystem_async import (
     plan_buckets,
     split_by_size,
 )
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 GOLDEN = Path("/work/shared/golden")
 

@@ -6,7 +6,7 @@ scheduled on an :class:`AsyncCallsQueue` and finalized on every rank, as Megatro
     ...  # training goes on
     queue.maybe_finalize_async_calls(blocking=True)
 
-Every ``_rank_*`` function runs on every rank of a real gloo process group (tests.harness).
+Every ``_rank_*`` function runs on every rank of a real gloo process group (tests.support.harness).
 Both caller kinds are covered (``persistent`` False: one forked process per save; True: one
 long-lived spawned worker per rank). Failures are injected into the real writer: a removed
 directory, a data file path taken by a directory (works as root, unlike chmod), a writer
@@ -45,7 +45,7 @@ from dist_checkpointing.strategies.async_utils import (
     PersistentAsyncCaller,
 )
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-from tests.harness import run_distributed, world_sizes
+from tests.support.harness import run_distributed, world_sizes
 
 pytestmark = pytest.mark.timeout(120)
 

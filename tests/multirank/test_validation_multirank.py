@@ -14,7 +14,7 @@ from dist_checkpointing.validation import (
     determine_global_metadata,
     validate_sharding_integrity_on_all_ranks,
 )
-from tests.harness import run_distributed, world_sizes
+from tests.support.harness import run_distributed, world_sizes
 
 TIMEOUT_S = 60.0
 

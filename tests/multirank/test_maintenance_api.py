@@ -26,7 +26,7 @@ from dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,8 +24,8 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.harness import run_distributed
-from tests.layouts import (
+from tests.support.harness import run_distributed
+from tests.support.layouts import (
     Layout,
     TensorSpec,
     deal,

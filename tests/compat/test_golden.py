@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import dist_checkpointing as dc
 from dist_checkpointing.errors import CheckpointingException
-from tests.golden_utils import (
+from tests.support.golden_utils import (
     GOLDEN_DIR,
     GoldenCase,
     Layout,
@@ -42,7 +42,7 @@ from tests.golden_utils import (
     sha256_of,
     whole_layout,
 )
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,4 +1,4 @@
-"""Tests of the multi-rank harness itself (tests/harness.py)."""
+"""Tests of the multi-rank harness itself (tests/support/harness.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import harness
-from tests.harness import (
+from tests.support import harness
+from tests.support.harness import (
     DistributedTestError,
     launch,
     requires_cuda,

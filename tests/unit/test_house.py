@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = "dist_checkpointing"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = ROOT / PACKAGE
 
 MAX_MODULE_LINES = 500

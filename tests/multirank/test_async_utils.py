@@ -1,6 +1,6 @@
 """Tests of the async save machinery: AsyncRequest, the two callers and AsyncCallsQueue.
 
-Multi-rank cases run in real gloo process groups (tests.harness); every ``_rank_*`` function
+Multi-rank cases run in real gloo process groups (tests.support.harness); every ``_rank_*`` function
 runs on every rank. Both caller kinds are covered (``persistent`` True/False).
 """
 
@@ -25,7 +25,7 @@ from dist_checkpointing.strategies.async_utils import (
     PersistentAsyncCaller,
     TemporalAsyncCaller,
 )
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,6 +1,6 @@
 """Resharding: save under one parallel layout, load under another (other world sizes too).
 
-Each test saves deterministic reference tensors (``tests.layouts``) with one
+Each test saves deterministic reference tensors (``tests.support.layouts``) with one
 ``run_distributed`` call and loads them with another; every loaded shard is compared
 byte for byte with the slice of the reference tensor it describes, computed
 independently of the library.
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
-from tests.harness import run_distributed
-from tests.layouts import (
+from tests.support.harness import run_distributed
+from tests.support.layouts import (
     Layout,
     TensorSpec,
     deal,

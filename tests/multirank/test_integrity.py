@@ -18,7 +18,7 @@ from dist_checkpointing import ShardedTensor
 from dist_checkpointing.engine.checkpoint.integrity import INTEGRITY_FNAME
 from dist_checkpointing.engine.storage.reader import FileSystemReader
 from dist_checkpointing.errors import CheckpointingException, CorruptCheckpointError
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -37,7 +37,7 @@ from dist_checkpointing.errors import (
     IncompleteCheckpointError,
 )
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 GOLDEN = Path("/work/shared/golden")
 GOLDEN_CASES = sorted(p.parent for p in GOLDEN.glob("*/*/manifest.json"))

@@ -2,7 +2,7 @@
 that each message names the key / file / rank and what was expected vs found.
 
 Single-process where ranks do not matter (torch.distributed not initialized); real gloo
-ranks (tests.harness) for errors that must be raised on every rank.
+ranks (tests.support.harness) for errors that must be raised on every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dist_checkpointing import ShardedObject, ShardedTensor, StrictHandling
 from dist_checkpointing import errors as E
 from dist_checkpointing.engine.storage.reader import FileSystemReader
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -31,7 +31,7 @@ import torch
 
 from dist_checkpointing import LocalNonpersistentObject, ShardedObject, ShardedTensor
 
-GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "golden"
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "data" / "golden"
 LEGACY_VERSION = "0.13.1"  # writes common.pt and supports flattened ranges
 
 Path_ = tuple[str, ...]

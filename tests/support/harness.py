@@ -2,7 +2,7 @@
 
 Usage::
 
-    from tests.harness import run_distributed, world_sizes
+    from tests.support.harness import run_distributed, world_sizes
 
 
     def _roundtrip(ckpt_dir):  # module level, so that it pickles by reference
@@ -110,7 +110,7 @@ _ALWAYS_PRELOAD = (
     "numpy",
     "psutil",
     "pytest",
-    "tests.harness",
+    "tests.support.harness",
 )
 # Modules preloaded too when the parent has imported them already (so they are known to import).
 _PRELOAD_PREFIXES = ("torch.distributed.checkpoint", "dist_checkpointing", "tests.")

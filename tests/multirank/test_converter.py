@@ -26,7 +26,7 @@ from dist_checkpointing.strategies.torch import (
     sharded_tensor_to_torch_sharded_tensor,
     unflatten_state_dict,
 )
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(120)
 

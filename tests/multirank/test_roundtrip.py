@@ -23,8 +23,8 @@ from dist_checkpointing import (
     ShardedTensorFactory,
 )
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-from tests.harness import run_distributed, world_sizes
-from tests.layouts import (
+from tests.support.harness import run_distributed, world_sizes
+from tests.support.layouts import (
     Shard,
     expected_local,
     flat_layout,

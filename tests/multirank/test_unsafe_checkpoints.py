@@ -26,7 +26,7 @@ from dist_checkpointing.engine.storage.reader import FileSystemReader
 from dist_checkpointing.errors import CheckpointingException, UnsafeCheckpointError
 from dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -80,10 +80,10 @@ CASES_WITH_COMMON_PT = [c for c in GOLDEN_CASES if c.startswith("mcore-0.13.1/")
 
 
 def _golden_root() -> Path:
-    for candidate in (Path(__file__).parent / "data" / "golden", Path("/work/shared/golden")):
-        if (candidate / GOLDEN_CASES[0] / "manifest.json").is_file():
-            return candidate
-    pytest.fail("golden checkpoints not found (tests/data/golden or /work/shared/golden)")
+    root = Path(__file__).resolve().parents[1] / "data" / "golden"
+    if not (root / GOLDEN_CASES[0] / "manifest.json").is_file():
+        pytest.fail(f"golden checkpoints not found ({root})")
+    return root
 
 
 def _case(case: str) -> tuple[Path, dict[str, Any]]:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import dist_checkpointing as dc
-from tests.golden_utils import (
+from tests.support.golden_utils import (
     GoldenCase,
     assert_same_value,
     assert_tensor_bitwise,
@@ -42,11 +42,11 @@ from tests.golden_utils import (
     pickle_globals,
     reformulate,
 )
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(240)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES = golden_cases()
 GOLDEN_19 = [c for c in CASES if not c.is_legacy]
 GOLDEN_13 = [c for c in CASES if c.is_legacy]

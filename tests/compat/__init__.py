@@ -1,0 +1,1 @@
+"""Compatibility: Megatron-Core golden checkpoints, plain DCP interop, the torch compat layer."""

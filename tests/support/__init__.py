@@ -1,0 +1,1 @@
+"""Shared test support: the multi-rank harness, layouts, golden checkpoint helpers."""

@@ -1,0 +1,1 @@
+"""Single-process tests: pure functions, value objects, the registry, the house rules."""
