@@ -309,7 +309,7 @@ def _rank_cached_saves(base: str, keep_only_main_replica: bool) -> list[dict[str
             }
             before_x, before_b = len(exchanges), len(builds)
             dcp.save(sd, ckpt_dir, strategy)
-            cached = strategy._cached_structure
+            cached = strategy.cached_structure
             assert cached is not None
             reused = previous is not None and cached.central_plan is previous.central_plan
             out.append(

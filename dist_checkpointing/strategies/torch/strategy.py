@@ -136,6 +136,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     commit_files = (METADATA_FNAME,)
 
     @property
+    def cached_structure(self) -> CachedStructure | None:
+        """What the next save reuses with ``cached_metadata`` (None before the first save)."""
+        return self._cached_structure
+
+    @property
     def can_handle_sharded_objects(self) -> bool:
         return True
 
