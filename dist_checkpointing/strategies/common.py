@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.collectives import RankGroup
-from ..engine.safety.safe_load import safe_torch_load
+from ..engine.safety import safe_torch_load
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.reader import read_object_bytes
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFeatureError

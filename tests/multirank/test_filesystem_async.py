@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from dist_checkpointing._torch_compat import StorageInfo
-from dist_checkpointing.engine.safety.safe_load import load_metadata
+from dist_checkpointing.engine.safety import load_metadata
 from dist_checkpointing.engine.storage import item_format as torch_save_zip
 from dist_checkpointing.engine.storage import resolve
 from dist_checkpointing.engine.storage import write_workers as ww

@@ -1,4 +1,4 @@
-"""Tests of dist_checkpointing.engine.safety.safe_load: nothing from a checkpoint file is executed.
+"""Tests of dist_checkpointing.engine.safety: nothing from a checkpoint file is executed.
 
 * every golden ``.metadata`` (Megatron-Core 0.13.1 and 0.19.2) loads with the restricted
   unpickler and matches its manifest exactly;
@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from dist_checkpointing._torch_compat import StorageInfo
-from dist_checkpointing.engine.safety.safe_load import (
+from dist_checkpointing.engine.safety import (
     MCORE_SAVE_PLAN_GLOBAL,
     LegacyMCoreSavePlan,
     allowed_metadata_globals,
@@ -588,7 +588,7 @@ def test_metadata_of_wrong_type_is_corrupt() -> None:
 # the fast path, that its result is exactly plain pickle's, and that no pickle can use the
 # fast path to change anything outside the load (the attacks the C unpickler cannot gate).
 
-_LOGGER = "dist_checkpointing.engine.safety.safe_load"
+_LOGGER = "dist_checkpointing.engine.safety"
 _DECLINED = "checked unpickling"
 
 

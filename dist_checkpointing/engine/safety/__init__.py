@@ -1,1 +1,32 @@
-"""Loading checkpoint files without executing code stored in them."""
+"""Loading checkpoint files without executing code stored in them.
+
+A checkpoint holds two kinds of pickles:
+
+* ``.metadata`` (a pickled DCP ``Metadata``): :func:`load_metadata`
+  (:mod:`.metadata`) over the allowlist (:mod:`.allowlist`), read by the fast
+  unpickler (:mod:`.fast_unpickler`, :mod:`.shadows`, :mod:`.adoption`) or, for
+  every file it declines, by the checked one (:mod:`.restricted_unpickler`);
+* ``torch.save`` payloads (``common.pt``, ShardedObject bytes):
+  :func:`safe_torch_load` (:mod:`.torch_load`), ``weights_only`` semantics
+  unless the caller trusts the file.
+"""
+
+from __future__ import annotations
+
+from .allowlist import (
+    MCORE_SAVE_PLAN_GLOBAL,
+    LegacyMCoreSavePlan,
+    allowed_metadata_globals,
+    is_allowed_metadata_global,
+)
+from .metadata import load_metadata
+from .torch_load import safe_torch_load
+
+__all__ = [
+    "MCORE_SAVE_PLAN_GLOBAL",
+    "LegacyMCoreSavePlan",
+    "allowed_metadata_globals",
+    "is_allowed_metadata_global",
+    "load_metadata",
+    "safe_torch_load",
+]

@@ -35,7 +35,7 @@ from ...errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ..safety.safe_load import load_metadata, safe_torch_load
+from ..safety import load_metadata, safe_torch_load
 from .base import ReadStream
 from .item_format import NotFastPath, TensorRecord, parse_tensor_item
 from .location import CheckpointDir

@@ -29,7 +29,7 @@ from ...dict_utils import dict_list_map_outplace
 from ...engine import knobs
 from ...engine.async_save.calls import AsyncRequest
 from ...engine.collectives import raise_on_all_ranks
-from ...engine.safety.safe_load import safe_torch_load
+from ...engine.safety import safe_torch_load
 from ...engine.storage.location import CheckpointDir
 from ...engine.storage.reader import FileSystemReader
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict

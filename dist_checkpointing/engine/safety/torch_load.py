@@ -1,0 +1,144 @@
+"""``torch.save`` payloads (``common.pt``, ShardedObject bytes) loaded with
+``weights_only`` semantics: :func:`safe_torch_load`.
+
+A payload naming a type outside the safe set fails with an error that names the
+type and says how to allow it, unless the caller trusts the file.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO
+
+import torch
+
+from dist_checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+from .allowlist import _py3_name
+
+_WO_UNSAFE_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
+
+
+_WO_BLOCKED_GLOBAL = re.compile(r"GLOBAL (\S+) whose module (\S+) is blocked")
+
+
+_WO_REFUSALS = (
+    "Trying to call reduce for unrecognized function",
+    "Can only ",
+    "must be imported to load",
+)
+
+
+def _global_name(reported: str) -> str:
+    # torch drops the "builtins." prefix from the names it reports, and torch.save's
+    # protocol 2 writes some stdlib globals under Python 2 names (subprocess -> commands).
+    module, _, name = reported.rpartition(".")
+    return ".".join(_py3_name(module or "builtins", name))
+
+
+def _unsafe_load_error(message: str, source: str) -> UnsafeCheckpointError | None:
+    """The error for a weights_only refusal, or None if ``message`` is not one."""
+    blocked = _WO_BLOCKED_GLOBAL.search(message)
+    if blocked:
+        name = _global_name(blocked.group(1))
+        return UnsafeCheckpointError(
+            f"{source}: refusing to load: the pickle references '{name}', from module "
+            f"'{blocked.group(2)}', which weights_only loading never allows (unpickling it "
+            "could execute code). Only trusted=True loads it; pass it only if you trust "
+            "the file."
+        )
+    unsafe = _WO_UNSAFE_GLOBAL.search(message)
+    if unsafe and not unsafe.group(1).rsplit(".", 1)[-1][:1].isupper():
+        # Not named like a class (e.g. builtins.exec): never suggest allowing it.
+        name = _global_name(unsafe.group(1))
+        return UnsafeCheckpointError(
+            f"{source}: refusing to load: the pickle references '{name}', a function that "
+            "weights_only loading does not allow (unpickling it could execute code). Only "
+            "trusted=True loads it; pass it only if you trust the file."
+        )
+    if unsafe:
+        name = _global_name(unsafe.group(1))
+        return UnsafeCheckpointError(
+            f"{source}: refusing to load: the pickle references '{name}', which is not "
+            "allowed with weights_only loading (unpickling arbitrary types can execute "
+            f"code). If you trust this file, pass allowed_types=[{name}] to allow just "
+            "that type, or trusted=True to load it without restrictions."
+        )
+    reason = next(
+        (line for line in message.splitlines() if any(p in line for p in _WO_REFUSALS)), None
+    )
+    if reason is not None:
+        return UnsafeCheckpointError(
+            f"{source}: refusing to load with weights_only: {reason.strip()}. If you trust "
+            "this file, pass the types it needs in allowed_types=[...], or trusted=True."
+        )
+    return None
+
+
+def _new_safe_globals(
+    allowed_types: Sequence[type],
+) -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
+    """The ``allowed_types`` that torch does not already allow.
+
+    Leaving out those the user registered keeps ``safe_globals.__exit__`` from
+    removing them again.
+    """
+    for allowed in allowed_types:
+        if not isinstance(allowed, type):
+            raise TypeError(f"allowed_types must hold classes, found {allowed!r}")
+    registered = torch.serialization.get_safe_globals()
+    return [t for t in dict.fromkeys(allowed_types) if t not in registered]
+
+
+def safe_torch_load(
+    data: bytes | bytearray | memoryview | BinaryIO,
+    *,
+    source: str,
+    trusted: bool = False,
+    allowed_types: Sequence[type] = (),
+) -> Any:
+    """Load a ``torch.save`` payload (``common.pt``, ShardedObject bytes) onto the CPU.
+
+    1. Unless ``trusted``, load with ``weights_only=True``: tensors, containers and
+       primitives only, plus the classes in ``allowed_types`` for this call (torch's
+       ``safe_globals`` context; note that torch keeps that list process-wide while
+       the call runs).
+    2. With ``trusted=True``, load with plain pickle: only for files you wrote.
+
+    Raises:
+        UnsafeCheckpointError: the payload needs a type that is not allowed; the
+            message names it, names ``source`` and says how to allow it.
+        CorruptCheckpointError: the payload is truncated or not a ``torch.save`` file.
+    """
+    stream: BinaryIO = (
+        io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
+    )
+    if trusted:
+        return _torch_load(stream, source, weights_only=False)
+    with torch.serialization.safe_globals(_new_safe_globals(allowed_types)):
+        return _torch_load(stream, source, weights_only=True)
+
+
+def _torch_load(stream: BinaryIO, source: str, *, weights_only: bool) -> Any:
+    try:
+        return torch.load(stream, map_location="cpu", weights_only=weights_only)
+    except MemoryError:
+        raise
+    except pickle.UnpicklingError as exc:
+        unsafe = _unsafe_load_error(str(exc), source) if weights_only else None
+        if unsafe is not None:
+            raise unsafe from None
+        raise _corrupt(source, exc) from exc
+    except Exception as exc:  # torch raises RuntimeError, EOFError, ... for bad bytes
+        raise _corrupt(source, exc) from exc
+
+
+def _corrupt(source: str, exc: BaseException) -> CorruptCheckpointError:
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return CorruptCheckpointError(
+        f"{source}: cannot load torch.save payload, it is truncated or corrupt "
+        f"({type(exc).__name__}: {detail})"
+    )
