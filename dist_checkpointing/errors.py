@@ -61,7 +61,13 @@ class UnsafeCheckpointError(CheckpointingException, ValueError):
 
 
 class CheckpointWriteError(CheckpointingException, OSError):
-    """Writing the checkpoint failed on some rank (worker error, disk full, ...)."""
+    """Writing the checkpoint failed on some rank (worker error, disk full, ...).
+
+    Raised on every rank; where the ranks agreed on the causes, ``failures`` maps
+    each failing global rank to its cause.
+    """
+
+    failures: dict[int, str]
 
 
 class RankFailureError(CheckpointingException):

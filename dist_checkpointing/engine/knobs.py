@@ -20,7 +20,6 @@ INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
 ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
 ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent
 ASYNC_WORKER_JOIN_TIMEOUT_S    300.0      wait for a writer process to stop at close
-ERROR_TEXT_CHARS               8000       longest error text a child reports to its parent
 ============================== ========== ===================================================
 """
 
@@ -101,9 +100,6 @@ ASYNC_WORKER_IDLE_CHECK_S = Knob(
 ASYNC_WORKER_JOIN_TIMEOUT_S = Knob(
     "ASYNC_WORKER_JOIN_TIMEOUT_S", 300.0, 0.0, "seconds to wait for a writer process to stop"
 )
-ERROR_TEXT_CHARS = Knob(
-    "ERROR_TEXT_CHARS", 8000, 200, "longest error text a child process reports to its parent"
-)
 
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
@@ -117,7 +113,6 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     ASYNC_POLL_INTERVAL_S,
     ASYNC_WORKER_IDLE_CHECK_S,
     ASYNC_WORKER_JOIN_TIMEOUT_S,
-    ERROR_TEXT_CHARS,
 )
 
 __all__ = [
@@ -135,5 +130,4 @@ __all__ = [
     "ASYNC_POLL_INTERVAL_S",
     "ASYNC_WORKER_IDLE_CHECK_S",
     "ASYNC_WORKER_JOIN_TIMEOUT_S",
-    "ERROR_TEXT_CHARS",
 ]

@@ -1,11 +1,22 @@
-"""Small process-level helpers shared by the save and load paths."""
+"""Process-level helpers shared by the save and load paths.
+
+Child processes (the async callers' writers and the bucket writer workers) are
+started one way (:func:`child_context`: ``fork`` where available, so nothing is
+re-imported and arguments need not be picklable; else ``spawn``) and report their
+errors one way (:func:`traceback_text`, :func:`format_current_exception`,
+bounded by :func:`truncate_text`); the parent describes a child that died
+without reporting with :func:`describe_exit`.
+"""
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import signal
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 @contextmanager
@@ -40,3 +51,33 @@ def describe_exit(exitcode: int | None) -> str:
         hint = " (file size limit exceeded)" if name == "SIGXFSZ" else ""
         return f"was killed by signal {name}{hint}"
     return f"exited with code {exitcode}"
+
+
+# A child's error text travels through a pipe the parent may read only after the
+# child exits; keeping it below the smallest common pipe buffer (16 KiB) means the
+# child can never block on that write.
+MAX_ERROR_CHARS = 8000
+
+
+def child_context() -> Any:
+    """The multiprocessing context for writer children: ``fork`` where available."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def truncate_text(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """Keep the head and the tail of a long error (the tail names the exception)."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - limit} characters cut ...]\n{text[-half:]}"
+
+
+def traceback_text(exc: BaseException) -> str:
+    """The full traceback of ``exc`` as text."""
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+
+
+def format_current_exception(prefix: str) -> str:
+    """``prefix`` and the traceback of the exception being handled, bounded in size."""
+    return truncate_text(f"{prefix}:\n{traceback.format_exc()}")

@@ -6,7 +6,7 @@ is the import path Megatron-Core users already write.
 
 from __future__ import annotations
 
-from ..engine.async_save.calls import (
+from ..engine.async_save import (
     AsyncCaller,
     AsyncCallsQueue,
     AsyncRequest,

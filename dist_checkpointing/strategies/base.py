@@ -48,7 +48,7 @@ from ..errors import CheckpointingException, IncompatibleStrategyError, Strategy
 from ..mapping import ShardedStateDict, StateDict
 
 if TYPE_CHECKING:
-    from ..engine.async_save.calls import AsyncRequest
+    from ..engine.async_save.request import AsyncRequest
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import traceback
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,7 +30,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._torch_compat import StorageInfo
-from ..process import describe_exit, gc_paused
+from ..process import child_context, describe_exit, gc_paused, traceback_text
 from . import item_format
 from .base import FileSystemIO
 from .resolve import filesystem_for
@@ -150,10 +149,6 @@ def _failure_text(exc: BaseException) -> str:
     return f"{text} ({hint})" if hint else text
 
 
-def _traceback_text(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-
-
 def _write_error(rank: int, bucket: WriteBucket, cause: str) -> str:
     return f"rank {rank}: writing checkpoint file {bucket.path} failed: {cause}"
 
@@ -176,7 +171,7 @@ def write_buckets_threaded(
         try:
             outcome.results[idx] = write_bucket_file(buckets[idx], fs, sync_files)
         except Exception as exc:  # noqa: BLE001 - reported through the outcome
-            _record_failure(outcome, idx, buckets[idx], _failure_text(exc), _traceback_text(exc))
+            _record_failure(outcome, idx, buckets[idx], _failure_text(exc), traceback_text(exc))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(buckets))]
     for t in threads:
@@ -200,16 +195,9 @@ def _bucket_worker(
     try:
         message: tuple[Any, ...] = ("ok", write_bucket_file(bucket, fs, sync_files))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        message = ("error", _failure_text(exc), _traceback_text(exc))
+        message = ("error", _failure_text(exc), traceback_text(exc))
     conn.send(message)
     conn.close()
-
-
-def _worker_context() -> Any:
-    import multiprocessing
-
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
 def _run_bucket_workers(
@@ -218,7 +206,7 @@ def _run_bucket_workers(
     """Fork one worker per bucket; collect each one's results, error or death."""
     from multiprocessing.connection import wait
 
-    ctx = _worker_context()
+    ctx = child_context()
     outcome = WriteOutcome(rank)
     pending: dict[Any, tuple[int, Any, Any]] = {}  # sentinel -> (idx, process, reader)
     for idx, bucket in enumerate(buckets):
@@ -321,7 +309,7 @@ def _write_buckets(
                 outcome = WriteOutcome(rank, {0: write_bucket_file(buckets[0], fs, sync_files)})
             except Exception as exc:  # noqa: BLE001 - reported through the outcome
                 outcome = WriteOutcome(rank)
-                _record_failure(outcome, 0, buckets[0], _failure_text(exc), _traceback_text(exc))
+                _record_failure(outcome, 0, buckets[0], _failure_text(exc), traceback_text(exc))
         else:
             outcome = _run_bucket_workers(rank, buckets, fs, sync_files)
     results_queue.put(outcome)

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..._torch_compat import DATA_FILE_SUFFIX
 from ...dict_utils import dict_list_map_outplace
 from ...engine import knobs
-from ...engine.async_save.calls import AsyncRequest
+from ...engine.async_save.request import AsyncRequest
 from ...engine.collectives import raise_on_all_ranks
 from ...engine.safety import safe_torch_load
 from ...engine.storage.location import CheckpointDir
