@@ -1,5 +1,5 @@
 """Tests of the storage writer (strategies/filesystem_async.py, write_workers.py) and its
-torch.save serializer (torch_save_zip.py).
+torch.save serializer (item_writer.py).
 
 * the fast tensor serializer produces exactly torch.save's bytes (every dtype we use,
   empty and 0-d tensors, the golden Megatron-Core items) and falls back to torch.save;
@@ -42,8 +42,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from dist_checkpointing._torch_compat import StorageInfo
 from dist_checkpointing.engine.safety import load_metadata
-from dist_checkpointing.engine.storage import item_format as torch_save_zip
-from dist_checkpointing.engine.storage import resolve
+from dist_checkpointing.engine.storage import item_reader, item_writer, resolve
 from dist_checkpointing.engine.storage import write_workers as ww
 from dist_checkpointing.engine.storage.write_workers import FileResultsQueue
 from dist_checkpointing.errors import CheckpointWriteError, UnsupportedFeatureError
@@ -110,8 +109,8 @@ def test_serializer_is_byte_identical_to_torch_save(dtype: torch.dtype, shape: t
     t = _sample(shape, dtype)
     expected = io.BytesIO()
     torch.save(t, expected)
-    assert torch_save_zip.fast_path_supported(dtype)
-    ours = torch_save_zip.serialize_tensor(t)
+    assert item_writer.fast_path_supported(dtype)
+    ours = item_writer.serialize_tensor(t)
     assert ours == expected.getvalue()
     loaded = torch.load(io.BytesIO(ours), weights_only=True)
     _assert_bit_equal(loaded, t)
@@ -126,11 +125,11 @@ def test_serializer_without_crc_matches_torch_save(dtype: torch.dtype) -> None:
             t = _sample(shape, dtype)
             expected = io.BytesIO()
             torch.save(t, expected)
-            ours = torch_save_zip.serialize_tensor(t)
+            ours = item_writer.serialize_tensor(t)
             assert ours == expected.getvalue()
-            assert torch_save_zip.fast_path_supported(dtype, False)
+            assert item_writer.fast_path_supported(dtype, False)
             _assert_bit_equal(torch.load(io.BytesIO(ours), weights_only=True), t)
-            rec = torch_save_zip.parse_tensor_item(lambda o, n, b=ours: b[o : o + n], len(ours))
+            rec = item_reader.parse_tensor_item(lambda o, n, b=ours: b[o : o + n], len(ours))
             assert ours[rec.data_offset : rec.data_offset + rec.data_length] == bytes(
                 _bits(t).numpy() if t.numel() else b""
             )
@@ -142,14 +141,14 @@ def test_serializer_without_crc_matches_torch_save(dtype: torch.dtype) -> None:
 def test_serializer_large_tensor_spanning_chunks(
     monkeypatch: pytest.MonkeyPatch, parallel_crc: bool
 ) -> None:
-    monkeypatch.setattr(torch_save_zip, "_CHUNK_BYTES", 1000)  # many write pieces
-    monkeypatch.setattr(torch_save_zip, "_CACHE_CHUNK_BYTES", 1000)
-    monkeypatch.setattr(torch_save_zip, "_PARALLEL_CRC_BYTES", 4096)
-    monkeypatch.setattr(torch_save_zip, "_spare_cores", lambda: parallel_crc)
+    monkeypatch.setattr(item_writer, "_CHUNK_BYTES", 1000)  # many write pieces
+    monkeypatch.setattr(item_writer, "_CACHE_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(item_writer, "_PARALLEL_CRC_BYTES", 4096)
+    monkeypatch.setattr(item_writer, "_spare_cores", lambda: parallel_crc)
     t = _sample((3001,), torch.float32, seed=3)
     expected = io.BytesIO()
     torch.save(t, expected)
-    assert torch_save_zip.serialize_tensor(t) == expected.getvalue()
+    assert item_writer.serialize_tensor(t) == expected.getvalue()
 
 
 @pytest.mark.parametrize(
@@ -166,7 +165,7 @@ def test_serializer_falls_back_to_torch_save(make: Any) -> None:
     t = make()
     expected = io.BytesIO()
     torch.save(t, expected)
-    assert torch_save_zip.serialize_tensor(t) == expected.getvalue()
+    assert item_writer.serialize_tensor(t) == expected.getvalue()
 
 
 def test_serializer_reproduces_golden_megatron_items() -> None:
@@ -181,7 +180,7 @@ def test_serializer_reproduces_golden_megatron_items() -> None:
                 f.seek(info.offset)
                 stored = f.read(info.length)
             tensor = torch.load(io.BytesIO(stored), weights_only=True)
-            assert torch_save_zip.serialize_tensor(tensor) == stored, (md_path, index.fqn)
+            assert item_writer.serialize_tensor(tensor) == stored, (md_path, index.fqn)
             count += 1
     assert count >= 100  # both Megatron-Core versions, every case
 

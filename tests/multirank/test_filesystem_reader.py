@@ -26,10 +26,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from dist_checkpointing.engine.storage import item_format as tsz
+from dist_checkpointing.engine.storage import item_reader as tsz
 from dist_checkpointing.engine.storage import local as fs_io
 from dist_checkpointing.engine.storage import reader as fr
-from dist_checkpointing.engine.storage.item_format import parse_tensor_item
+from dist_checkpointing.engine.storage.item_reader import parse_tensor_item
 from dist_checkpointing.engine.storage.reader import FileSystemReader, read_object_bytes
 from dist_checkpointing.errors import (
     CheckpointNotFoundError,

@@ -37,7 +37,8 @@ from ...errors import (
 )
 from ..safety import load_metadata, safe_torch_load
 from .base import ReadStream
-from .item_format import NotFastPath, TensorRecord, parse_tensor_item
+from .item_reader import TensorRecord, parse_tensor_item
+from .item_template import NotFastPath
 from .location import CheckpointDir
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._torch_compat import StorageInfo
 from ..process import child_context, describe_exit, gc_paused, traceback_text
-from . import item_format
+from . import item_writer
 from .base import FileSystemIO
 from .resolve import filesystem_for
 
@@ -114,7 +114,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
                 # Unstaged (synchronous path): one copy at a time bounds host memory.
                 # Never happens in forked workers: the async path stages first.
                 tensor = tensor.cpu()
-            length = item_format.write_tensor(stream, tensor)
+            length = item_writer.write_tensor(stream, tensor)
             results.append(_result(item, bucket.relative_path, offset, length))
             offset += length
         if sync_files:

@@ -1,0 +1,263 @@
+"""Parsing a tensor item: :func:`parse_tensor_item`.
+
+It locates the tensor bytes of a ``torch.save`` archive and reads its dtype, shape
+and storage offset with a restricted unpickler, so a reader can copy exactly the
+bytes it needs. An archive laid out exactly like ``torch.save``'s is recognized by
+comparing it with the template (:mod:`.item_template`); others are parsed through
+their zip directory. It raises :class:`NotFastPath` for anything unexpected; the
+caller then falls back to ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import pickle
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..._torch_compat import legacy_storage_name
+from .item_template import (
+    _ARCHIVE,
+    _LOCAL,
+    NotFastPath,
+    ReadAt,
+    _central_directory,
+    _data_start,
+    _itemsize,
+    _record_name_hash,
+    _template,
+)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where a tensor's bytes are inside a ``torch.save`` item, and what they hold."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    storage_offset: int  # in elements; the stored tensor is contiguous from there
+    data_offset: int  # byte offset of the storage bytes inside the item
+    data_length: int  # bytes of the storage record
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    dtype: torch.dtype | None  # None: untyped storage (numel counts bytes)
+    key: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    storage: _StorageRef
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _TypedStorageClass:
+    dtype: torch.dtype
+
+
+_UNTYPED = object()
+
+
+@functools.cache
+def _legacy_storage_dtypes() -> dict[str, torch.dtype]:
+    names = {}
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype):
+            name = legacy_storage_name(value)
+            if name is not None:
+                names[name] = value
+    return names
+
+
+def _spec_v2(
+    storage: Any,
+    storage_offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    backward_hooks: Any,
+    metadata: Any = None,
+) -> _TensorSpec:
+    if metadata or storage.dtype is None:
+        raise NotFastPath("tensor metadata or untyped storage with _rebuild_tensor_v2")
+    return _TensorSpec(storage, storage_offset, tuple(size), tuple(stride), storage.dtype)
+
+
+def _spec_v3(
+    storage: Any,
+    storage_offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    backward_hooks: Any,
+    dtype: torch.dtype,
+    metadata: Any = None,
+) -> _TensorSpec:
+    if metadata or storage.dtype is not None or not isinstance(dtype, torch.dtype):
+        raise NotFastPath("tensor metadata or typed storage with _rebuild_tensor_v3")
+    return _TensorSpec(storage, storage_offset, tuple(size), tuple(stride), dtype)
+
+
+class _TensorPickleReader(pickle.Unpickler):
+    """Reads ``data.pkl`` of a one-tensor archive into a _TensorSpec; nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _spec_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _spec_v3
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _UNTYPED
+        if module == "torch":
+            dtype = _legacy_storage_dtypes().get(name)
+            if dtype is not None:
+                return _TypedStorageClass(dtype)
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                return value
+        raise NotFastPath(f"unexpected global {module}.{name} in data.pkl")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise NotFastPath(f"unexpected persistent id {pid!r}")
+        _, storage_type, key, _location, numel = pid
+        if storage_type is _UNTYPED:
+            return _StorageRef(None, str(key), int(numel))
+        if isinstance(storage_type, _TypedStorageClass):
+            return _StorageRef(storage_type.dtype, str(key), int(numel))
+        raise NotFastPath(f"unexpected storage type {storage_type!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_spec(pickled: bytes) -> _TensorSpec:
+    """The tensor described by ``data.pkl`` (cached: same-shaped tensors share it)."""
+    try:
+        spec = _TensorPickleReader(io.BytesIO(pickled)).load()
+    except NotFastPath:
+        raise
+    except Exception as exc:
+        raise NotFastPath(f"data.pkl not readable: {exc}") from exc
+    if not isinstance(spec, _TensorSpec):
+        raise NotFastPath(f"data.pkl holds {type(spec).__name__}, not one tensor")
+    if not _is_contiguous(spec.shape, spec.stride):
+        raise NotFastPath(f"non-contiguous stored tensor (stride {spec.stride})")
+    return spec
+
+
+_NATIVE_ORDER = sys.byteorder.encode()
+
+
+def parse_tensor_item(read_at: ReadAt, length: int) -> TensorRecord:
+    """Locate and describe the tensor of a ``torch.save`` item of ``length`` bytes.
+
+    ``read_at(offset, n)`` returns ``n`` bytes of the item starting at ``offset``
+    (and raises on a short read). Raises :class:`NotFastPath` for anything unexpected.
+    """
+    record = _match_template(read_at, length)
+    return record if record is not None else _parse_zip(read_at, length)
+
+
+def _storage_bytes(spec: _TensorSpec) -> int:
+    return spec.storage.numel * (_itemsize(spec.dtype) if spec.storage.dtype is not None else 1)
+
+
+def _make_record(spec: _TensorSpec, data_offset: int, data_length: int) -> TensorRecord:
+    numel = 1
+    for s in spec.shape:
+        numel *= s
+    if (
+        _storage_bytes(spec) != data_length
+        or (spec.storage_offset + numel) * _itemsize(spec.dtype) > data_length
+    ):
+        raise NotFastPath("storage size does not match the tensor")
+    return TensorRecord(spec.dtype, spec.shape, spec.storage_offset, data_offset, data_length)
+
+
+_PKL_NAME = (_ARCHIVE + "data.pkl").encode()
+
+
+_HEAD_BYTES = 4096
+
+
+def _match_template(read_at: ReadAt, length: int) -> TensorRecord | None:
+    """The record of an item laid out exactly as ``torch.save`` lays out its ``data.pkl``
+    (the common case: any bytes except the tensor data, crcs and id would differ), or
+    None. Much cheaper than walking the zip directory."""
+    if _NATIVE_ORDER != b"little":  # the template says "little"
+        return None
+    head = read_at(0, min(length, _HEAD_BYTES))
+    if len(head) < _LOCAL.size + len(_PKL_NAME) or bytes(head[30:46]) != _PKL_NAME:
+        return None
+    start = _LOCAL.size + len(_PKL_NAME) + _LOCAL.unpack_from(head)[10]
+    end = bytes(head[start:]).find(b"PK\x07\x08")
+    if end <= 0 or _record_name_hash() is None:
+        return None
+    pickled = bytes(head[start : start + end])
+    try:
+        spec = _tensor_spec(pickled)
+    except NotFastPath:
+        return None
+    if spec.storage.key != "0":
+        return None
+    nbytes = _storage_bytes(spec)
+    template = _template(pickled, nbytes)
+    tail_len = len(template.tail_bytes)
+    if (
+        length != len(template.head) + nbytes + tail_len
+        or bytes(head[: len(template.head)]) != template.head
+    ):
+        return None
+    tail = bytearray(read_at(length - tail_len, tail_len))
+    tail[template.sid_at : template.sid_at + 40] = bytes(40)
+    for at in (*template.data_crc_at, *template.sid_crc_at):
+        tail[at : at + 4] = bytes(4)
+    if tail != template.tail_bytes:
+        return None
+    return _make_record(spec, len(template.head), nbytes)
+
+
+def _parse_zip(read_at: ReadAt, length: int) -> TensorRecord:
+    """Walk the zip directory: handles any layout of a one-tensor archive."""
+    records = _central_directory(read_at, length)
+    pkl_name = next((n for n in records if n.endswith(b"/data.pkl")), None)
+    if pkl_name is None:
+        raise NotFastPath("no data.pkl record")
+    prefix = pkl_name[: -len(b"data.pkl")]
+    pkl = records[pkl_name]
+    pkl_start = _data_start(read_at, pkl, length)
+    spec = _tensor_spec(bytes(read_at(pkl_start, pkl[3])))
+    byteorder = records.get(prefix + b"byteorder")
+    if byteorder is not None:
+        order = bytes(read_at(_data_start(read_at, byteorder, length), byteorder[3]))
+        if order != _NATIVE_ORDER:
+            raise NotFastPath(f"byte order {order!r}")
+    data = records.get(prefix + b"data/" + spec.storage.key.encode())
+    if data is None:
+        raise NotFastPath(f"storage record data/{spec.storage.key} missing")
+    return _make_record(spec, _data_start(read_at, data, length), data[3])
+
+
+def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    if len(shape) != len(stride):
+        return False
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size == 0:
+            return True
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True

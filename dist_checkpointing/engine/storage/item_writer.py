@@ -1,0 +1,167 @@
+"""Writing a tensor item: :func:`write_tensor`, byte for byte what ``torch.save`` writes.
+
+``torch.save`` has a high fixed cost per call, so the archive is written from a
+template (:mod:`.item_template`); the CRC-32 of the tensor bytes is computed unless
+``torch.serialization.set_crc32_options(False)``, in a second thread when cores are
+spare. On first use per dtype the output is compared with ``torch.save``'s; any
+difference (another torch version, another storage alignment) disables the fast
+writer for that dtype, and ``torch.save`` is used, as it is for tensors the fast
+writer does not handle (subclasses, non-contiguous, views, archives of 4 GiB or more).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import io
+import logging
+import os
+import threading
+import zlib
+from typing import BinaryIO
+
+import torch
+
+from .item_template import _MAX_FAST_BYTES, _itemsize, _record_name_hash, _template, _tensor_pickle
+
+logger = logging.getLogger(__name__)
+
+# Large tensors are written in pieces of this size while another thread checksums
+# them (from _PARALLEL_CRC_BYTES on, given spare cores) ...
+_CHUNK_BYTES = 64 << 20
+
+
+_PARALLEL_CRC_BYTES = 8 << 20
+
+
+# ... or else checksummed and written piece by piece, each piece small enough to stay
+# in the CPU cache between the two passes, and larger than the write buffer of
+# fs_io.LocalFileSystem (so that it is not copied into that buffer).
+_CACHE_CHUNK_BYTES = 1 << 20
+
+
+def write_tensor(stream: BinaryIO, tensor: torch.Tensor) -> int:
+    """Write ``torch.save(tensor)`` to ``stream``; return the number of bytes written.
+
+    ``tensor`` must be on the CPU. The bytes equal ``torch.save``'s output, also with
+    ``torch.serialization.set_crc32_options(False)`` (then no checksums are computed).
+    """
+    compute_crc = torch.serialization.get_crc32_options()
+    if not _fast_path_applies(tensor, compute_crc):
+        start = stream.tell()
+        torch.save(tensor, stream)
+        return stream.tell() - start
+    data = _byte_view(tensor)
+    pickled = _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+    template = _template(pickled, len(data), compute_crc)
+    stream.write(template.head)
+    if not compute_crc:
+        crc = 0
+        stream.write(data)
+    elif len(data) >= _PARALLEL_CRC_BYTES and _spare_cores():
+        crc = _write_with_parallel_crc(stream, data)
+    else:
+        crc = 0
+        for start in range(0, len(data), _CACHE_CHUNK_BYTES):
+            # Checksum a piece, then write it while it is still in the CPU cache.
+            piece = data[start : start + _CACHE_CHUNK_BYTES]
+            crc = zlib.crc32(piece, crc)
+            stream.write(piece)
+    tail = template.tail(crc)
+    stream.write(tail)
+    return len(template.head) + len(data) + len(tail)
+
+
+@functools.cache
+def _spare_cores() -> bool:
+    """Whether this process may use enough cores to checksum in a separate thread."""
+    try:
+        return len(os.sched_getaffinity(0)) >= 4
+    except AttributeError:  # platforms without sched_getaffinity
+        return (os.cpu_count() or 1) >= 4
+
+
+def _write_with_parallel_crc(stream: BinaryIO, data: memoryview | bytes) -> int:
+    """Write ``data`` in pieces while another thread computes its CRC-32 (both release
+    the GIL), so the checksum costs no extra time when writing is the bottleneck."""
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(zlib.crc32(data)), daemon=True)
+    worker.start()
+    try:
+        for start in range(0, len(data), _CHUNK_BYTES):
+            stream.write(data[start : start + _CHUNK_BYTES])
+    finally:
+        worker.join()
+    return result[0]
+
+
+def serialize_tensor(tensor: torch.Tensor) -> bytes:
+    """``torch.save(tensor)`` as bytes, through :func:`write_tensor`."""
+    buf = io.BytesIO()
+    write_tensor(buf, tensor)
+    return buf.getvalue()
+
+
+def _fast_path_applies(t: torch.Tensor, compute_crc: bool) -> bool:
+    # Cheapest checks first: this runs once per item.
+    if type(t) is not torch.Tensor or t.layout != torch.strided or not t.is_cpu:
+        return False
+    if t.requires_grad or t.storage_offset() or not t.is_contiguous():
+        return False
+    nbytes = t.nbytes
+    return (
+        nbytes <= _MAX_FAST_BYTES
+        and t.untyped_storage().nbytes() == nbytes
+        and not t.is_conj()
+        and not t.is_neg()
+        and fast_path_supported(t.dtype, compute_crc)
+    )
+
+
+# Below this size a tensor's bytes are copied out (cheaper than a numpy view).
+_COPY_BELOW_BYTES = 64 << 10
+
+
+def _byte_view(t: torch.Tensor) -> bytes | memoryview:
+    """The bytes of a contiguous CPU tensor (a zero-copy view for large tensors)."""
+    nbytes = t.nbytes
+    if nbytes < _COPY_BELOW_BYTES:
+        return ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+@functools.cache
+def fast_path_supported(dtype: torch.dtype, compute_crc: bool = True) -> bool:
+    """Whether the fast writer reproduces ``torch.save`` exactly for ``dtype`` (with
+    torch's crc32 option set to ``compute_crc``, as it must be when this is called).
+
+    Probed once per dtype, option and process (an empty and a 2x3 tensor), and cached.
+    """
+    if _record_name_hash() is None:
+        return False
+    try:
+        for shape in ((2, 3), (0,)):
+            numel = 1
+            for s in shape:
+                numel *= s
+            raw = torch.arange(numel * _itemsize(dtype), dtype=torch.uint8)
+            probe = raw.view(dtype).reshape(shape)
+            expected = io.BytesIO()
+            torch.save(probe, expected)
+            data = _byte_view(probe)
+            pickled = _tensor_pickle(dtype, shape, probe.stride())
+            template = _template(pickled, len(data), compute_crc)
+            crc = zlib.crc32(data) if compute_crc else 0
+            ours = template.head + bytes(data) + template.tail(crc)
+            if ours != expected.getvalue():
+                logger.warning(
+                    "fast torch.save writer disabled for %s: its output differs from "
+                    "torch.save (torch %s); using torch.save",
+                    dtype,
+                    torch.__version__,
+                )
+                return False
+    except Exception as exc:  # noqa: BLE001 - the fast path is an optimization
+        logger.debug("fast torch.save writer disabled for %s: %s", dtype, exc)
+        return False
+    return True
