@@ -6,17 +6,17 @@ the chunk, a bytes item its raw bytes) and a pickled torch ``Metadata`` in
 ``.metadata``, written last and atomically. Megatron-Core and plain
 ``torch.distributed.checkpoint`` read them.
 
-This module holds the DCP protocol (:class:`FileSystemWriterAsync`) and the pure
-bucketing functions; :mod:`.write_workers` writes the buckets, and
-:mod:`.torch_save_zip` serializes tensor items (byte for byte what ``torch.save``
-writes, without its per-item overhead).
+This module holds the DCP protocol (:class:`FileSystemWriterAsync`, Megatron-Core's
+class at Megatron-Core's path); the engine does the work:
+:mod:`~dist_checkpointing.engine.storage.bucketing` groups items into files,
+:mod:`~dist_checkpointing.engine.storage.write_workers` writes them, and
+:mod:`~dist_checkpointing.engine.storage.item_writer` serializes tensor items (byte
+for byte what ``torch.save`` writes, without its per-item overhead).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import heapq
 import logging
 import os
 import pickle
@@ -27,12 +27,14 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._torch_compat import DATA_FILE_SUFFIX, DCP_VERSION, METADATA_FILE_NAME, StoragePrefix
-from ..engine.storage.resolve import filesystem_for
+from .._torch_compat import DCP_VERSION, METADATA_FILE_NAME, StoragePrefix
+from ..engine.storage.bucketing import build_buckets, data_file_prefix
+from ..engine.storage.location import CheckpointDir
+from ..engine.storage.resolve import is_url
 from ..engine.storage.write_workers import (
     FileResultsQueue,
     ResultsQueue,
@@ -52,85 +54,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_RESULTS_TIMEOUT_S = 10.0
 # Accepted for parity with torch's FileSystemWriter (bytes staged ahead per thread).
 DEFAULT_PER_THREAD_COPY_AHEAD = 10_000_000
-
-
-# --------------------------------------------------------------------------- bucketing
-
-
-def item_size(item: WriteItem) -> int:
-    """Bytes of the tensor chunk of ``item`` (0 for bytes items)."""
-    if item.tensor_data is None:
-        return 0
-    numel = 1
-    for s in item.tensor_data.chunk.sizes:  # the chunk, not the global tensor
-        numel *= s
-    return numel * _itemsize(item.tensor_data.properties.dtype)
-
-
-@functools.cache
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def split_by_size(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Split ``items`` into ``bins`` lists of similar total size.
-
-    Bytes items go round-robin; tensor items largest-first onto the least-filled
-    bin. Bins may be empty.
-    """
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    byte_items = [it for it in items if it.type == WriteItemType.BYTE_IO]
-    tensor_items = [it for it in items if it.type != WriteItemType.BYTE_IO]
-    for i, it in enumerate(byte_items):
-        buckets[i % bins].append(it)
-    sized = sorted(((item_size(it), i) for i, it in enumerate(tensor_items)), reverse=True)
-    heap = [(0, b) for b in range(bins)]
-    for size, i in sized:
-        total, b = heapq.heappop(heap)
-        buckets[b].append(tensor_items[i])
-        heapq.heappush(heap, (total + size, b))
-    return buckets
-
-
-def plan_buckets(
-    items: Sequence[WriteItem], thread_count: int, separation_hint: str | None
-) -> list[list[WriteItem]]:
-    """Group ``items`` into the non-empty buckets (one file each) of one rank.
-
-    Without ``separation_hint`` there are up to ``thread_count`` buckets. With it,
-    items whose fqn starts with the hint get their own buckets: up to
-    ``max(1, thread_count // 2)`` for the other items, then as many for the hinted ones.
-    """
-    if separation_hint is None:
-        groups = [list(items)]
-        bins = thread_count
-    else:
-        groups = [
-            [it for it in items if not it.index.fqn.startswith(separation_hint)],
-            [it for it in items if it.index.fqn.startswith(separation_hint)],
-        ]
-        bins = max(1, thread_count // 2)
-    return [b for group in groups for b in split_by_size(group, bins) if b]
-
-
-# --------------------------------------------------------------------------- preparing
-
-
-def _is_whole_storage(t: torch.Tensor) -> bool:
-    """Whether ``t`` is contiguous and covers exactly its storage (torch.save saves all of it)."""
-    return (
-        t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    )
-
-
-def _prepare_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Detach; copy CPU views so that only the chunk's bytes are saved."""
-    t = t.detach()
-    if t.device.type == "cpu" and not _is_whole_storage(t):
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
 
 
 # --------------------------------------------------------------------------- metadata
@@ -212,8 +135,7 @@ class FileSystemWriterAsync(StorageWriter):
             )
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
-        self.path = os.fspath(path)
-        self.fs = filesystem_for(self.path)
+        self._set_location(path)
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.per_thread_copy_ahead = per_thread_copy_ahead
@@ -233,12 +155,16 @@ class FileSystemWriterAsync(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save (optionally into another directory)."""
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
-            self.fs = filesystem_for(self.path)
+            self._set_location(checkpoint_id)
         self.save_id = _new_uuid()
         self.close()
         self._buckets = None
         self._write_results = None
+
+    def _set_location(self, path: str | os.PathLike[str]) -> None:
+        self.location = CheckpointDir.of(path)
+        self.path = self.location.root
+        self.fs = self.location.fs
 
     def close(self) -> None:
         """Release the default results channel (its temporary directory), if any.
@@ -350,7 +276,7 @@ class FileSystemWriterAsync(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a local path under a writable existing directory."""
         text = os.fspath(checkpoint_id)
-        if "://" in text:
+        if is_url(text):
             return False
         parent = os.path.abspath(text)
         while True:
@@ -369,25 +295,14 @@ class FileSystemWriterAsync(StorageWriter):
         CPU tensors are kept as they are (views of larger storages are copied);
         accelerator tensors are staged later (:func:`stage_buckets_to_host`).
         """
-        prefix = self._file_prefix(plan)
-        self._buckets = []
-        for n, items in enumerate(
-            plan_buckets(plan.items, self.thread_count, self.separation_hint)
-        ):
-            name = f"{prefix}{n}{DATA_FILE_SUFFIX}"
-            bucket = WriteBucket(self.fs.join(self.path, name), name)
-            for item in items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    bucket.byte_items.append((item, data))
-                elif isinstance(data, torch.Tensor):
-                    bucket.tensor_items.append((item, _prepare_tensor(data)))
-                else:
-                    raise CheckpointingException(
-                        f"the planner resolved tensor item {item.index.fqn!r} to a "
-                        f"{type(data).__name__}, expected a torch.Tensor"
-                    )
-            self._buckets.append(bucket)
+        self._buckets = build_buckets(
+            plan.items,
+            planner.resolve_data,
+            self.location.path,
+            self._file_prefix(plan),
+            self.thread_count,
+            self.separation_hint,
+        )
         self._write_results = None
         logger.debug(
             "rank %d: %d items in %d buckets",
@@ -484,7 +399,7 @@ class FileSystemWriterAsync(StorageWriter):
         storage = plan.storage_data
         if isinstance(storage, StoragePrefix):
             return storage.prefix
-        return f"__{self._rank_or_default()}_"
+        return data_file_prefix(self._rank_or_default())
 
     def _rank_or_default(self) -> int:
         if self.rank is not None:
@@ -512,8 +427,5 @@ def _new_uuid() -> str:
 
 __all__ = [
     "FileSystemWriterAsync",
-    "item_size",
-    "plan_buckets",
-    "split_by_size",
     "storage_data_from_results",
 ]

@@ -44,17 +44,14 @@ from dist_checkpointing._torch_compat import StorageInfo
 from dist_checkpointing.engine.safety import load_metadata
 from dist_checkpointing.engine.storage import item_reader, item_writer, resolve
 from dist_checkpointing.engine.storage import write_workers as ww
+from dist_checkpointing.engine.storage.bucketing import item_size, plan_buckets, split_by_size
 from dist_checkpointing.engine.storage.write_workers import FileResultsQueue
 from dist_checkpointing.errors import CheckpointWriteError, UnsupportedFeatureError
-from dist_checkpointing.strategies import filesystem_async as fa
-from dist_checkpointing.strategies.filesystem_async import (
-    FileSystemWriterAsync,
-    plan_buckets,
-    split_by_size,
-)
+from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from tests.support.golden_utils import GOLDEN_DIR
 from tests.support.harness import run_distributed
 
-GOLDEN = Path("/work/shared/golden")
+GOLDEN = GOLDEN_DIR
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -199,9 +196,9 @@ def _bytes_item(fqn: str) -> WriteItem:
 
 
 def test_item_size_uses_the_chunk_not_the_global_tensor() -> None:
-    assert fa.item_size(_tensor_item("a", (3, 5))) == 60
-    assert fa.item_size(_tensor_item("b", (3, 5), torch.bfloat16)) == 30
-    assert fa.item_size(_bytes_item("c")) == 0
+    assert item_size(_tensor_item("a", (3, 5))) == 60
+    assert item_size(_tensor_item("b", (3, 5), torch.bfloat16)) == 30
+    assert item_size(_bytes_item("c")) == 0
 
 
 def test_split_by_size_balances_largest_first() -> None:
@@ -209,7 +206,7 @@ def test_split_by_size_balances_largest_first() -> None:
     items = [_tensor_item(f"t{i}", (s,)) for i, s in enumerate(sizes)]
     items += [_bytes_item(f"b{i}") for i in range(4)]
     buckets = split_by_size(items, 3)
-    totals = sorted(sum(fa.item_size(it) for it in b) for b in buckets)
+    totals = sorted(sum(item_size(it) for it in b) for b in buckets)
     assert totals == [4 * 110, 4 * 115, 4 * 120]  # largest-first onto the least-filled bin
     assert [sum(it.type == WriteItemType.BYTE_IO for it in b) for b in buckets] == [2, 1, 1]
     assert sorted(it.index.fqn for b in buckets for it in b) == sorted(it.index.fqn for it in items)

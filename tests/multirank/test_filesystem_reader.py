@@ -37,9 +37,10 @@ from dist_checkpointing.errors import (
     IncompleteCheckpointError,
 )
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from tests.support.golden_utils import GOLDEN_DIR
 from tests.support.harness import run_distributed
 
-GOLDEN = Path("/work/shared/golden")
+GOLDEN = GOLDEN_DIR
 GOLDEN_CASES = sorted(p.parent for p in GOLDEN.glob("*/*/manifest.json"))
 
 pytestmark = [

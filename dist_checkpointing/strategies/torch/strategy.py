@@ -30,6 +30,7 @@ from ...engine import knobs
 from ...engine.async_save.request import AsyncRequest
 from ...engine.collectives import raise_on_all_ranks
 from ...engine.safety import safe_torch_load
+from ...engine.storage.bucketing import is_data_file_of
 from ...engine.storage.location import CheckpointDir
 from ...engine.storage.reader import FileSystemReader
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
@@ -73,11 +74,6 @@ def register_default_torch_strategies() -> None:
         TorchDistSaveShardedStrategy(BACKEND, VERSION),
         if_absent=True,
     )
-
-
-def _data_file_prefix(rank: int) -> str:
-    """Data files of group rank ``rank`` are named ``__<rank>_<n>.distcp``."""
-    return f"__{rank}_"
 
 
 def _drop_empty_flat(by_key: dict[str, list[ShardedBase]]) -> dict[str, list[ShardedBase]]:
@@ -145,9 +141,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def files_written_by(self, checkpoint_dir: str | os.PathLike[str], rank: int) -> list[str]:
-        prefix = _data_file_prefix(rank)
         names = CheckpointDir.of(checkpoint_dir).listdir()
-        return [n for n in names if n.startswith(prefix) and n.endswith(DATA_FILE_SUFFIX)]
+        return [n for n in names if is_data_file_of(n, rank)]
 
     def owns_file(self, name: str) -> bool:
         return name in self.commit_files or name.endswith(DATA_FILE_SUFFIX)
