@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from .core import CheckpointingConfig, config_bytes, maybe_load_config
 from .dict_utils import extract_matching_values, merge, nested_values
 from .engine.checkpoint import commit, integrity
-from .engine.collectives import ProcessGroup, RankGroup, raise_on_all_ranks
+from .engine.collectives import ProcessGroup, RankGroup
 from .engine.process import gc_paused
 from .engine.storage.location import CheckpointDir
 from .errors import (
@@ -56,11 +56,10 @@ from .strategies.base import (
 )
 from .validation import (
     StrictHandling,
-    apply_strict_handling,
     gather_shard_records,
     local_metadata_of,
     parse_strict_flag,
-    validate_sharding_integrity_on_all_ranks,
+    validate_integrity_and_strict_load,
 )
 
 logger = logging.getLogger(__name__)
@@ -403,8 +402,7 @@ def _check_request(
     strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
     process_group: ProcessGroup,
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
-    """Compare the request with the checkpoint per ``strict`` and validate its sharding
-    (collective: a mismatch on one rank fails every rank)."""
+    """Gather what the checks need, then :func:`validate_integrity_and_strict_load`."""
     ckpt_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_metadata = load_sharded_metadata(ckpt, *strategies)
@@ -412,21 +410,15 @@ def _check_request(
     global_metadata: list[list[Any]] | None = None
     if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
         local_metadata, global_metadata = gather_shard_records(request, process_group)
-    missing: set[str] = set()
-    unexpected: set[str] = set()
-    if ckpt_metadata is not None:
-        error: Exception | None = None
-        try:
-            request, missing, unexpected = apply_strict_handling(
-                request, strict, ckpt_metadata, local_metadata, global_metadata
-            )
-        except Exception as e:  # noqa: BLE001 - a key mismatch on one rank fails every rank
-            error = e
-        raise_on_all_ranks(error, process_group, what="Checking the requested keys")
-    if validate_access_integrity:
-        assert global_metadata is not None
-        validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
-    return request, missing, unexpected
+    return validate_integrity_and_strict_load(
+        request,
+        strict,
+        validate_access_integrity,
+        local_metadata,
+        global_metadata,
+        ckpt_metadata,
+        process_group=process_group,
+    )
 
 
 def _verify_files_read(
