@@ -16,6 +16,7 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -145,6 +146,107 @@ def _shard_md(offsets: Sequence[int], sizes: Sequence[int], rank: int) -> Any:
     return TorchShardMetadata(list(offsets), list(sizes), f"rank:{rank}/cpu")
 
 
+@dataclass(frozen=True)
+class _ShardLayout:
+    """How one key's shards are described to PyTorch on this rank."""
+
+    rank: int
+    other: int  # the rank named by placeholders for blocks held elsewhere
+    block: tuple[int, ...]
+    legacy_1d: bool
+    is_flat: bool
+
+
+def _check_shards(sh_tens: list[ShardedTensor], world: int) -> ShardedTensor:
+    """The first ShardedTensor, after checking the list describes one key on a grid."""
+    if not sh_tens:
+        raise MappingError(
+            "sharded_tensor_to_torch_sharded_tensor needs at least one ShardedTensor"
+        )
+    first = sh_tens[0]
+    if any(sh.key != first.key for sh in sh_tens):
+        raise MappingError(f"ShardedTensors of different keys: {sorted({s.key for s in sh_tens})}")
+    if first.axis_fragmentations is None:
+        raise MappingError(f"ShardedTensor '{first.key}': a regular grid needs axis_fragmentations")
+    needs_placeholders = any(
+        sh.flattened_range is not None
+        and (sh.flattened_range.start > 0 or sh.flattened_range.stop < math.prod(block_shape(sh)))
+        for sh in sh_tens
+    ) or math.prod(first.axis_fragmentations) > len({tuple(s.global_offset) for s in sh_tens})
+    if needs_placeholders and world < 2:
+        raise MappingError(
+            f"ShardedTensor '{first.key}': this rank holds only part of the tensor, and a "
+            "PyTorch ShardedTensor can describe the other parts only on another rank "
+            f"(the process group has {world} rank)"
+        )
+    return first
+
+
+def _local_shards(
+    mine: list[ShardedTensor], offset: tuple[int, ...], layout: _ShardLayout
+) -> tuple[list[Any], list[Any], list[tuple[int, int]]]:
+    """This rank's shards of one grid block: (shards, their metadata, flat ranges covered)."""
+    shards, metadata, covered = [], [], []
+    for sh in mine:
+        data = sh.data if sh.data is not None else torch.empty(0, dtype=sh.dtype)
+        if layout.legacy_1d and sh.flattened_range is not None:
+            fr = sh.flattened_range
+            md = _shard_md((offset[0] + fr.start,), (fr.stop - fr.start,), layout.rank)
+            covered.append((fr.start, fr.stop))
+        else:
+            chunk = stored_chunk(sh)
+            md = _shard_md(chunk.offsets, chunk.sizes, layout.rank)
+            data = data.reshape(chunk.sizes)
+            if sh.flattened_range is not None:
+                covered.append((sh.flattened_range.start, sh.flattened_range.stop))
+        shards.append(TorchShard(data, md))
+        metadata.append(md)
+    return shards, metadata, covered
+
+
+def _placeholders(
+    grid: tuple[int, ...],
+    offset: tuple[int, ...],
+    covered: list[tuple[int, int]],
+    layout: _ShardLayout,
+) -> list[Any]:
+    """Metadata of the parts of one block that other ranks hold (PyTorch needs a full
+    cover; DCP reads only local shards)."""
+    out = []
+    pos = 0
+    numel = math.prod(layout.block)
+    for start, stop in sorted(covered) + [(numel, numel)]:
+        if start > pos:
+            if layout.legacy_1d:
+                out.append(_shard_md((offset[0] + pos,), (start - pos,), layout.other))
+            elif layout.is_flat:
+                sizes = (1,) * len(grid) + (start - pos,)
+                out.append(_shard_md(grid + (pos,), sizes, layout.other))
+            else:
+                out.append(_shard_md(offset, layout.block, layout.other))
+        pos = max(pos, stop)
+    return out
+
+
+def _assemble(
+    first: ShardedTensor, local_shards: list[Any], shards_md: list[Any], is_flat: bool
+) -> Any:
+    global_shape = stored_chunk(first).global_shape if is_flat else tuple(first.global_shape)
+    properties = TorchShardTensorProperties(
+        dtype=first.dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
+    md = TorchShardedTensorMetadata(shards_md, torch.Size(global_shape), properties)
+    pyt = TorchShardedTensor._init_from_local_shards_and_global_metadata(local_shards, md)
+    # Megatron-Core's attribute names: what the local shards stand for.
+    setattr(pyt, "mcore_sh_ten", first.without_data())  # noqa: B010
+    setattr(pyt, "mcore_metadata", {})  # noqa: B010
+    return pyt
+
+
 def sharded_tensor_to_torch_sharded_tensor(
     sh_tens: list[ShardedTensor],
     rank: int | None = None,
@@ -164,87 +266,33 @@ def sharded_tensor_to_torch_sharded_tensor(
         load_legacy_1d_flatten_tensors: treat 1-D flat tensors as stored by
             Megatron-Core before the N-D reformulation (a 1-D global tensor).
     """
-    if not sh_tens:
-        raise MappingError(
-            "sharded_tensor_to_torch_sharded_tensor needs at least one ShardedTensor"
-        )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    first = _check_shards(sh_tens, world)
+    assert first.axis_fragmentations is not None
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-    first = sh_tens[0]
-    if any(sh.key != first.key for sh in sh_tens):
-        raise MappingError(f"ShardedTensors of different keys: {sorted({s.key for s in sh_tens})}")
-    if first.axis_fragmentations is None:
-        raise MappingError(f"ShardedTensor '{first.key}': a regular grid needs axis_fragmentations")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    other = (rank + 1) % max(world, 2)
-    needs_placeholders = any(
-        sh.flattened_range is not None
-        and (sh.flattened_range.start > 0 or sh.flattened_range.stop < math.prod(block_shape(sh)))
-        for sh in sh_tens
-    ) or math.prod(first.axis_fragmentations) > len({tuple(s.global_offset) for s in sh_tens})
-    if needs_placeholders and world < 2:
-        raise MappingError(
-            f"ShardedTensor '{first.key}': this rank holds only part of the tensor, and a "
-            "PyTorch ShardedTensor can describe the other parts only on another rank "
-            f"(the process group has {world} rank)"
-        )
     legacy_1d = load_legacy_1d_flatten_tensors and len(first.global_shape) == 1
-    local_shards, shards_md = [], []
+    layout = _ShardLayout(
+        rank=rank,
+        other=(rank + 1) % max(world, 2),
+        block=block_shape(first),
+        legacy_1d=legacy_1d,
+        is_flat=first.flattened_range is not None and not legacy_1d,
+    )
     local_blocks: dict[tuple[int, ...], list[ShardedTensor]] = defaultdict(list)
     for sh in sh_tens:
         local_blocks[tuple(sh.global_offset)].append(sh)
-    block = block_shape(first)
-    is_flat = first.flattened_range is not None and not legacy_1d
+    local_shards, shards_md = [], []
     for grid in itertools.product(*(range(f) for f in first.axis_fragmentations)):
-        offset = tuple(g * b for g, b in zip(grid, block))
+        offset = tuple(g * b for g, b in zip(grid, layout.block))
         mine = local_blocks.get(offset, [])
-        covered: list[tuple[int, int]] = []
-        for sh in mine:
-            data = sh.data if sh.data is not None else torch.empty(0, dtype=sh.dtype)
-            if legacy_1d and sh.flattened_range is not None:
-                fr = sh.flattened_range
-                md = _shard_md((offset[0] + fr.start,), (fr.stop - fr.start,), rank)
-                covered.append((fr.start, fr.stop))
-            else:
-                chunk = stored_chunk(sh)
-                md = _shard_md(chunk.offsets, chunk.sizes, rank)
-                data = data.reshape(chunk.sizes)
-                if sh.flattened_range is not None:
-                    covered.append((sh.flattened_range.start, sh.flattened_range.stop))
-            local_shards.append(TorchShard(data, md))
-            shards_md.append(md)
-        numel = math.prod(block)
-        if not mine:
-            covered = []
-        elif not covered:
+        shards, metadata, covered = _local_shards(mine, offset, layout)
+        local_shards += shards
+        shards_md += metadata
+        if mine and not covered:
             continue  # a regular local block covers itself
-        # Placeholders for the parts of this block that other ranks hold.
-        pos = 0
-        for start, stop in sorted(covered) + [(numel, numel)]:
-            if start > pos:
-                if legacy_1d:
-                    shards_md.append(_shard_md((offset[0] + pos,), (start - pos,), other))
-                elif is_flat:
-                    shards_md.append(
-                        _shard_md(grid + (pos,), (1,) * len(grid) + (start - pos,), other)
-                    )
-                else:
-                    shards_md.append(_shard_md(offset, block, other))
-            pos = max(pos, stop)
-    global_shape = stored_chunk(first).global_shape if is_flat else tuple(first.global_shape)
-    properties = TorchShardTensorProperties(
-        dtype=first.dtype,
-        layout=torch.strided,
-        requires_grad=False,
-        memory_format=torch.contiguous_format,
-        pin_memory=False,
-    )
-    md = TorchShardedTensorMetadata(shards_md, torch.Size(global_shape), properties)
-    pyt = TorchShardedTensor._init_from_local_shards_and_global_metadata(local_shards, md)
-    # Megatron-Core's attribute names: what the local shards stand for.
-    setattr(pyt, "mcore_sh_ten", first.without_data())  # noqa: B010
-    setattr(pyt, "mcore_metadata", {})  # noqa: B010
-    return pyt
+        shards_md += _placeholders(grid, offset, covered, layout)
+    return _assemble(first, local_shards, shards_md, layout.is_flat)
 
 
 def mcore_to_pyt_state_dict(
