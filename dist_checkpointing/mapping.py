@@ -16,9 +16,6 @@ Same classes, parameters and semantics as Megatron-Core's
 from __future__ import annotations
 
 import copy
-import logging
-import math
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import chain
@@ -27,15 +24,33 @@ from typing import Any
 import numpy as np
 import torch
 
-from .dict_utils import dict_list_map_inplace
+from ._factories import (
+    FactoryBuildFn,
+    FactoryMergeFn,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+)
+from ._shard_geometry import (
+    flat_global_coordinates,
+    flat_local_coordinates,
+    grid_block_shape,
+    grid_from_rank_offsets,
+    metadata_problem,
+    narrowed_flat_range,
+    narrowed_grid,
+    object_unique_key,
+    parse_object_unique_key,
+)
+from ._sharded_base import (
+    CommonStateDict,
+    ReplicaId,
+    ShardedBase,
+    ShardedStateDict,
+    StateDict,
+    is_main_replica,
+)
 from .errors import MappingError
-
-logger = logging.getLogger(__name__)
-
-ReplicaId = int | tuple[int, ...]
-StateDict = dict[str, Any]
-ShardedStateDict = dict[str, Any]
-CommonStateDict = dict[str, Any]
 
 __all__ = [
     "ReplicaId",
@@ -50,36 +65,9 @@ __all__ = [
     "is_main_replica",
     "apply_factories",
     "apply_factory_merges",
+    "FactoryBuildFn",
+    "FactoryMergeFn",
 ]
-
-
-def is_main_replica(replica_id: ReplicaId) -> bool:
-    """True for the replica that is written (``replica_id`` 0 or all zeros)."""
-    if isinstance(replica_id, int):
-        return replica_id == 0
-    return all(r == 0 for r in replica_id)
-
-
-class ShardedBase(ABC):
-    """A leaf of a sharded state dict: a key, the local data and a replica id."""
-
-    key: str
-    data: object
-    replica_id: ReplicaId
-
-    @abstractmethod
-    def validate_metadata_integrity(self) -> None:
-        """Raise :class:`MappingError` if the metadata is inconsistent."""
-
-    @abstractmethod
-    def without_data(self) -> ShardedBase:
-        """A copy of this object with ``data=None`` (metadata only)."""
-
-
-def _tuple_with(values: tuple[int, ...], index: int, value: int) -> tuple[int, ...]:
-    out = list(values)
-    out[index] = value
-    return tuple(out)
 
 
 @dataclass
@@ -134,91 +122,9 @@ class ShardedTensor(ShardedBase):
         """
         if not isinstance(self.key, str) or not self.key:
             raise MappingError(f"ShardedTensor key must be a non-empty str, got {self.key!r}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise self._fail(f"dtype must be a torch.dtype, got {self.dtype!r}")
-        if self.prepend_axis_num < 0:
-            raise self._fail(f"prepend_axis_num must be >= 0, got {self.prepend_axis_num}")
-        ndim = len(self.global_shape)
-        if len(self.global_offset) != ndim:
-            raise self._fail(
-                f"global_offset {self.global_offset} and global_shape {self.global_shape} "
-                "have different lengths"
-            )
-        if len(self.local_shape) + self.prepend_axis_num != ndim:
-            raise self._fail(
-                f"local_shape {self.local_shape} plus prepend_axis_num={self.prepend_axis_num} "
-                f"does not match the {ndim} axes of global_shape {self.global_shape}"
-            )
-        if self.axis_fragmentations is not None and len(self.axis_fragmentations) != ndim:
-            raise self._fail(
-                f"axis_fragmentations {self.axis_fragmentations} must have one entry per "
-                f"global axis ({ndim})"
-            )
-        if any(s < 0 for s in self.global_shape) or any(o < 0 for o in self.global_offset):
-            raise self._fail(
-                f"negative global_shape {self.global_shape} or global_offset {self.global_offset}"
-            )
-        self._validate_block_position()
-        self._validate_flattened_range()
-        self._validate_data()
-
-    def _validate_block_position(self) -> None:
-        p = self.prepend_axis_num
-        for axis in range(p):
-            if self.global_offset[axis] >= max(self.global_shape[axis], 1):
-                raise self._fail(
-                    f"prepended axis {axis}: offset {self.global_offset[axis]} is outside "
-                    f"global size {self.global_shape[axis]}"
-                )
-        for axis, (off, sh) in enumerate(zip(self.global_offset[p:], self.local_shape), start=p):
-            if sh != 0 and off % sh != 0:
-                raise self._fail(
-                    f"global offset {off} on axis {axis} is not divisible by the local size {sh} "
-                    "(blocks must lie on a regular grid)"
-                )
-            if not self.allow_shape_mismatch and off + sh > self.global_shape[axis]:
-                raise self._fail(
-                    f"block [{off}, {off + sh}) on axis {axis} exceeds the global size "
-                    f"{self.global_shape[axis]}"
-                )
-
-    def _validate_flattened_range(self) -> None:
-        fr = self.flattened_range
-        if fr is None:
-            return
-        if not isinstance(fr, slice):
-            raise self._fail(f"flattened_range must be a slice, got {type(fr).__name__}")
-        if fr.step not in (None, 1):
-            raise self._fail(f"flattened_range {fr} must not have a step")
-        numel = math.prod(self.local_shape)
-        if fr.start is None or fr.stop is None or not 0 <= fr.start <= fr.stop <= numel:
-            raise self._fail(
-                f"flattened_range [{fr.start}, {fr.stop}) is outside the {numel} elements of "
-                f"local_shape {self.local_shape}"
-            )
-
-    def _validate_data(self) -> None:
-        data = self.data
-        if data is None:
-            return
-        if not isinstance(data, torch.Tensor):
-            raise self._fail(f"data must be a torch.Tensor, got {type(data).__name__}")
-        if data.dtype != self.dtype:
-            raise self._fail(
-                f"data dtype {data.dtype} differs from the declared dtype {self.dtype}"
-            )
-        if self.flattened_range is None:
-            if tuple(data.shape) != self.local_shape:
-                raise self._fail(
-                    f"data shape {tuple(data.shape)} differs from local_shape {self.local_shape}"
-                )
-        else:
-            expected = self.flattened_range.stop - self.flattened_range.start
-            if data.ndim != 1 or data.numel() != expected:
-                raise self._fail(
-                    f"flat data must be 1-D with {expected} elements "
-                    f"(flattened_range {self.flattened_range}), got shape {tuple(data.shape)}"
-                )
+        problem = metadata_problem(self)
+        if problem is not None:
+            raise self._fail(problem)
 
     def global_slice(self) -> tuple[int | slice, ...]:
         """Index of the local block in the global tensor (ints on prepended axes)."""
@@ -234,20 +140,15 @@ class ShardedTensor(ShardedBase):
         """Global coordinates of every element of a flat ShardedTensor's data."""
         if self.flattened_range is None:
             raise self._fail("global_coordinates is only defined for flattened ShardedTensors")
-        local = self.local_coordinates()
-        p = self.prepend_axis_num
-        prepended = tuple(
-            np.full_like(local[0], off) if local else np.zeros(0, dtype=np.int64)
-            for off in self.global_offset[:p]
+        return flat_global_coordinates(
+            self.flattened_range, self.local_shape, self.global_offset, self.prepend_axis_num
         )
-        return prepended + tuple(c + off for c, off in zip(local, self.global_offset[p:]))
 
     def local_coordinates(self) -> tuple[np.ndarray, ...]:
         """Coordinates in the local block of every element of a flat ShardedTensor's data."""
         if self.flattened_range is None:
             raise self._fail("local_coordinates is only defined for flattened ShardedTensors")
-        flat = np.arange(self.flattened_range.start, self.flattened_range.stop)
-        return tuple(np.unravel_index(flat, self.local_shape))
+        return flat_local_coordinates(self.flattened_range, self.local_shape)
 
     def local_chunk_offset_in_global(self) -> tuple[int, ...]:
         """Position of the local block in the grid of blocks."""
@@ -261,14 +162,12 @@ class ShardedTensor(ShardedBase):
         """The block size implied by ``axis_fragmentations`` on each axis."""
         if self.axis_fragmentations is None:
             raise self._fail("axis_fragmentations is None")
-        chunks = []
-        for axis, (size, frag) in enumerate(zip(self.global_shape, self.axis_fragmentations)):
-            if not self.allow_shape_mismatch and size % frag != 0:
-                raise self._fail(
-                    f"global size {size} on axis {axis} is not divisible by its fragmentation {frag}"
-                )
-            chunks.append(size // frag)
-        return tuple(chunks)
+        chunks = grid_block_shape(
+            self.global_shape, self.axis_fragmentations, self.allow_shape_mismatch
+        )
+        if isinstance(chunks, str):
+            raise self._fail(chunks)
+        return chunks
 
     def without_data(self) -> ShardedTensor:
         # A shallow copy: the metadata was validated at construction (replace() would
@@ -277,7 +176,9 @@ class ShardedTensor(ShardedBase):
         out.data = None
         return out
 
-    def init_data(self, device: str | torch.device, init_fn: Callable = torch.empty) -> None:
+    def init_data(
+        self, device: str | torch.device, init_fn: Callable[..., torch.Tensor] = torch.empty
+    ) -> None:
         """Allocate ``data`` (if not set) with ``init_fn(local_shape, dtype=, device=)``."""
         if self.data is not None:
             return
@@ -294,24 +195,17 @@ class ShardedTensor(ShardedBase):
         ShardedTensor (only ``dim=0``), the result is empty if the narrowed block
         does not intersect the flat range.
         """
-        gdim = dim + self.prepend_axis_num
-        local_len = self.local_shape[dim]
-        if (
-            local_len == 0
-            or self.global_shape[gdim] % local_len
-            or self.global_offset[gdim] % local_len
-        ):
-            raise self._fail(
-                f"narrow needs a regular grid on axis {gdim}: global size {self.global_shape[gdim]}, "
-                f"offset {self.global_offset[gdim]}, local size {local_len}"
-            )
-        global_shape = _tuple_with(
-            self.global_shape, gdim, self.global_shape[gdim] // local_len * length
+        grid = narrowed_grid(
+            self.global_shape,
+            self.global_offset,
+            self.local_shape,
+            self.prepend_axis_num,
+            dim,
+            length,
         )
-        global_offset = _tuple_with(
-            self.global_offset, gdim, self.global_offset[gdim] // local_len * length
-        )
-        local_shape = _tuple_with(self.local_shape, dim, length)
+        if isinstance(grid, str):
+            raise self._fail(grid)
+        global_shape, global_offset, local_shape = grid
         if self.flattened_range is None:
             data = self.data.narrow(dim, start, length) if self.data is not None else None
             return [
@@ -327,16 +221,11 @@ class ShardedTensor(ShardedBase):
             raise self._fail(
                 f"narrowing a flat ShardedTensor is only supported on dim 0, got {dim}"
             )
-        row = math.prod(self.local_shape[1:])
-        # The flat range, expressed relative to the narrowed block.
-        lo = self.flattened_range.start - row * start
-        hi = self.flattened_range.stop - row * start
-        new_lo, new_hi = max(lo, 0), min(hi, row * length)
-        if new_lo >= new_hi:
+        narrowed = narrowed_flat_range(self.flattened_range, self.local_shape, start, length)
+        if narrowed is None:
             return []
-        data = None
-        if self.data is not None:
-            data = self.data[new_lo - lo : new_hi - lo]
+        new_range, kept = narrowed
+        data = None if self.data is None else self.data[kept]
         return [
             replace(
                 self,
@@ -344,7 +233,7 @@ class ShardedTensor(ShardedBase):
                 local_shape=local_shape,
                 global_shape=global_shape,
                 global_offset=global_offset,
-                flattened_range=slice(new_lo, new_hi),
+                flattened_range=new_range,
             )
         ]
 
@@ -380,37 +269,18 @@ class ShardedTensor(ShardedBase):
             raise MappingError(
                 f"ShardedTensor '{key}': data must be a torch.Tensor, got {type(data).__name__}"
             )
-        ndim = data.ndim + prepend_axis_num
-        global_shape = [1] * prepend_axis_num + list(data.shape)
-        global_offset = [0] * ndim
-        fragmentations = [1] * ndim
-        seen: set[int] = set()
-        for entry in rank_offsets:
-            if len(entry) != 3:
-                raise MappingError(
-                    f"ShardedTensor '{key}': each rank offset must be "
-                    f"(axis, axis_rank_offset, axis_fragmentations), got {entry}"
-                )
-            axis, rank_off, frag = entry
-            if not (0 <= axis < ndim) or frag < 1 or not (0 <= rank_off < frag) or axis in seen:
-                raise MappingError(
-                    f"ShardedTensor '{key}': invalid rank offsets {rank_offsets} for a tensor "
-                    f"with {ndim} global axes (axis in [0, {ndim}), 0 <= offset < fragmentations, "
-                    "each axis once)"
-                )
-            seen.add(axis)
-            local_size = 1 if axis < prepend_axis_num else data.shape[axis - prepend_axis_num]
-            global_shape[axis] = frag * local_size
-            global_offset[axis] = rank_off * local_size
-            fragmentations[axis] = frag
+        grid = grid_from_rank_offsets(tuple(data.shape), rank_offsets, prepend_axis_num)
+        if isinstance(grid, str):
+            raise MappingError(f"ShardedTensor '{key}': {grid}")
+        global_shape, global_offset, fragmentations = grid
         return cls(
             key,
             data,
             data.dtype,
             tuple(data.shape),
-            tuple(global_shape),
-            tuple(global_offset),
-            tuple(fragmentations),
+            global_shape,
+            global_offset,
+            fragmentations,
             replica_id,
             prepend_axis_num,
             **init_kwargs,
@@ -496,9 +366,7 @@ class ShardedObject(ShardedBase):
     @property
     def unique_key(self) -> str:
         """``<key>/shard_<offsets joined by '.'>_<global shape joined by '.'>`` (the stored key)."""
-        offsets = ".".join(map(str, self.global_offset))
-        shape = ".".join(map(str, self.global_shape))
-        return f"{self.key}/shard_{offsets}_{shape}"
+        return object_unique_key(self.key, self.global_offset, self.global_shape)
 
     def __str__(self) -> str:
         return f"{type(self).__name__}(key='{self.key}')"
@@ -506,113 +374,11 @@ class ShardedObject(ShardedBase):
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
         """The (data-less) ShardedObject that :attr:`unique_key` describes."""
-        key, sep, shard = unique_key.rpartition("/")
-        parts = shard.split("_")
-        if not sep or len(parts) != 3 or parts[0] != "shard":
-            raise MappingError(
-                f"'{unique_key}' is not a ShardedObject unique key "
-                "(expected '<key>/shard_<offsets>_<shape>')"
-            )
-        try:
-            # An empty field is the empty tuple (a 0-d object grid).
-            offset = tuple(int(x) for x in parts[1].split(".")) if parts[1] else ()
-            shape = tuple(int(x) for x in parts[2].split(".")) if parts[2] else ()
-        except ValueError as e:
-            raise MappingError(f"'{unique_key}' has non-integer offsets or shape") from e
+        parsed = parse_object_unique_key(unique_key)
+        if isinstance(parsed, str):
+            raise MappingError(parsed)
+        key, offset, shape = parsed
         return cls(key, None, shape, offset, replica_id)
-
-
-FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, slice | None], ShardedStateDict]
-FactoryMergeFn = Callable[[StateDict], torch.Tensor]
-
-
-@dataclass
-class ShardedTensorFactory(ShardedBase):
-    """A tensor saved in another form: ``build_fn`` makes the sharded state dict to
-    save, ``merge_fn`` turns the loaded form back into the tensor.
-
-    Args:
-        key: a name used for logging and errors.
-        data: the tensor to transform.
-        build_fn: ``(key, data, replica_id, flattened_range) -> ShardedStateDict``.
-        merge_fn: ``(loaded state dict of what build_fn made) -> torch.Tensor``.
-        replica_id: passed to ``build_fn``.
-        flattened_range: passed to ``build_fn``.
-    """
-
-    key: str
-    data: torch.Tensor | None
-    build_fn: FactoryBuildFn
-    merge_fn: FactoryMergeFn
-    replica_id: ReplicaId = 0
-    flattened_range: slice | None = None
-
-    def build(self) -> ShardedStateDict:
-        """The sharded state dict that represents ``data`` in the checkpoint."""
-        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)  # type: ignore[arg-type]
-
-    def validate_metadata_integrity(self) -> None:
-        if not callable(self.build_fn) or not callable(self.merge_fn):
-            raise MappingError(
-                f"ShardedTensorFactory '{self.key}': build_fn and merge_fn must be callable"
-            )
-
-    def without_data(self) -> ShardedTensorFactory:
-        return replace(self, data=None)
-
-
-def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
-    """Replace every :class:`ShardedTensorFactory` by what it builds, in place."""
-
-    def _build(x: Any) -> Any:
-        if isinstance(x, ShardedTensorFactory):
-            x = x.build()
-            # A factory may build containers holding further factories.
-            x = dict_list_map_inplace(_build, x)
-        return x
-
-    dict_list_map_inplace(_build, sharded_state_dict)
-
-
-def apply_factory_merges(x1: Any, x2: Any, key: tuple = ()) -> Any:
-    """Merge loaded factory products ``x1`` back with the factories in ``x2``.
-
-    ``x2`` is the part of the original sharded state dict that holds the
-    factories (dicts, lists, or dicts keyed by list index); ``x1`` is the loaded
-    state dict. Each factory's ``merge_fn`` receives what its ``build_fn`` made,
-    loaded. Returns ``x1`` with the merged tensors in place.
-    """
-    if isinstance(x2, ShardedTensorFactory):
-        return x2.merge_fn(x1)
-    if isinstance(x1, dict) and isinstance(x2, dict):
-        for k, v2 in x2.items():
-            if k not in x1:
-                raise MappingError(
-                    f"apply_factory_merges: key {key + (k,)} of a factory is missing from the "
-                    f"loaded state dict (loaded keys: {sorted(map(str, x1))})"
-                )
-            x1[k] = apply_factory_merges(x1[k], v2, key=key + (k,))
-    elif isinstance(x1, list) and isinstance(x2, list):
-        if len(x1) != len(x2):
-            raise MappingError(
-                f"apply_factory_merges: lists of different lengths at {key}: {len(x1)} vs {len(x2)}"
-            )
-        for i, v2 in enumerate(x2):
-            x1[i] = apply_factory_merges(x1[i], v2, key=key + (i,))
-    elif isinstance(x1, list) and isinstance(x2, dict):
-        for k, v2 in x2.items():
-            if not isinstance(k, int) or not 0 <= k < len(x1):
-                raise MappingError(
-                    f"apply_factory_merges: index {k!r} at {key} is not valid for a list of "
-                    f"length {len(x1)}"
-                )
-            x1[k] = apply_factory_merges(x1[k], v2, key=key + (k,))
-    else:
-        raise MappingError(
-            f"apply_factory_merges: cannot merge {type(x1).__name__} with "
-            f"{type(x2).__name__} at {key}"
-        )
-    return x1
 
 
 class LocalNonpersistentObject:

@@ -21,7 +21,15 @@ PACKAGE_DIR = ROOT / PACKAGE
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 # Modules every layer may import: the ground floor of the house.
-GROUND = {"errors", "mapping", "dict_utils", "_torch_compat", "_shard_geometry"}
+GROUND = {
+    "errors",
+    "mapping",
+    "dict_utils",
+    "_torch_compat",
+    "_shard_geometry",
+    "_sharded_base",
+    "_factories",
+}
 # The only module that may name private torch.distributed.checkpoint attributes.
 TORCH_COMPAT = f"{PACKAGE}._torch_compat"
 

@@ -373,7 +373,7 @@ def _data_start(read_at: ReadAt, record: _Rec, length: int) -> int:
     f = _LOCAL.unpack(read_at(at, _LOCAL.size))
     if f[0] != _SIG_LOCAL:
         raise NotFastPath("bad local header")
-    start = at + _LOCAL.size + f[9] + f[10]
+    start: int = at + _LOCAL.size + f[9] + f[10]
     if start + record[3] > length:
         raise NotFastPath("record data out of range")
     return start

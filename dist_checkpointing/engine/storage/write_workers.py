@@ -333,7 +333,7 @@ class FileResultsQueue:
         self.path = os.path.join(self.directory, "outcome.pkl")
         # Removed when this (the creating process's) object goes away, also when the
         # save failed and nobody called close(); copies in workers do not remove it.
-        self._cleanup: weakref.finalize | None = weakref.finalize(
+        self._cleanup: weakref.finalize[Any, Any] | None = weakref.finalize(
             self, shutil.rmtree, self.directory, True
         )
 

@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 
-def flatten_state_dict(state_dict: dict) -> tuple[dict[str, Any], dict[str, ObjPath]]:
+def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, ObjPath]]:
     """One-level dict keyed by dotted paths, and the mapping back to the paths.
 
     Tensors and ShardedBase objects are leaves (as are other non-containers).
@@ -75,10 +75,10 @@ def flatten_state_dict(state_dict: dict) -> tuple[dict[str, Any], dict[str, ObjP
     return flat, mapping
 
 
-def unflatten_state_dict(flat: dict[str, Any], mapping: dict[str, ObjPath]) -> dict:
+def unflatten_state_dict(flat: dict[str, Any], mapping: dict[str, ObjPath]) -> dict[str, Any]:
     """Inverse of :func:`flatten_state_dict`, with dicts for every container
     (list positions become int keys; :func:`_restore_dict_types` restores lists)."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     for fqn, value in flat.items():
         path = mapping[fqn]
         node = out
@@ -116,7 +116,7 @@ def _replace_sharded_keys_with_state_dict_keys(
     state_dict: dict[str, list[Any]],
     flat_mapping: dict[str, ObjPath],
     rename_mapping: dict[str, list[str]],
-) -> dict:
+) -> dict[str, Any]:
     """Put per-key values back at their original nested paths."""
     recovered: dict[str, Any] = {}
     for key, values in state_dict.items():

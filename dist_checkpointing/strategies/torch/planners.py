@@ -98,7 +98,7 @@ class MCoreSavePlanner(DefaultSavePlanner):
         self._serialize = object_serializer
         self._dedup = dedup_replicated_tensors
         self._data: dict[MetadataIndex, Any] = {}
-        self.mcore_data: dict[str, dict] = {}
+        self.mcore_data: dict[str, dict[str, Any]] = {}
 
     def set_up_planner(
         self,
@@ -151,7 +151,7 @@ class MCoreSavePlanner(DefaultSavePlanner):
             global_plan, metadata = create_default_global_save_plan(
                 all_plans, rewrite_index_hints=False
             )
-        mcore_data: dict[str, dict] = {}
+        mcore_data: dict[str, dict[str, Any]] = {}
         for plan in all_plans:
             for key, value in (plan.planner_data or {}).items():
                 if value or key not in mcore_data:
@@ -175,9 +175,9 @@ class MCoreSavePlanner(DefaultSavePlanner):
         return not self._dedup
 
     @staticmethod
-    def plan_records(plan: SavePlan) -> tuple[list[tuple], dict]:
+    def plan_records(plan: SavePlan) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
         """A compact, cheaply pickled description of a local plan's items."""
-        records: list[tuple] = []
+        records: list[tuple[Any, ...]] = []
         for item in plan.items:
             td = item.tensor_data
             if td is None:
@@ -195,10 +195,12 @@ class MCoreSavePlanner(DefaultSavePlanner):
         return records, plan.planner_data or {}
 
     @staticmethod
-    def metadata_from_records(all_records: list[tuple[list[tuple], dict]]) -> Metadata:
+    def metadata_from_records(
+        all_records: list[tuple[list[tuple[Any, ...]], dict[str, Any]]],
+    ) -> Metadata:
         """The global Metadata (without storage data) from every rank's plan records."""
         md: dict[str, Any] = {}
-        mcore_data: dict[str, dict] = {}
+        mcore_data: dict[str, dict[str, Any]] = {}
         for records, planner_data in all_records:
             for rec in records:
                 if len(rec) == 1:
@@ -222,7 +224,8 @@ class MCoreSavePlanner(DefaultSavePlanner):
         data = self._data[write_item.index]
         if write_item.type == WriteItemType.BYTE_IO:
             return self._serialize(data)
-        return data
+        tensor: torch.Tensor = data
+        return tensor
 
 
 class MCoreLoadPlanner(DefaultLoadPlanner):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -132,7 +133,7 @@ class ReadLayout:
         orig = self._mcore_data().get(key, {}).get(ND_REFORMULATED_SHAPE_KEY)
         return tuple(orig) if orig is not None else tuple(md.size)
 
-    def _mcore_data(self) -> dict[str, dict]:
+    def _mcore_data(self) -> dict[str, dict[str, Any]]:
         return getattr(self.metadata, "mcore_data", None) or {}
 
     def _add_chunk(
