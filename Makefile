@@ -1,5 +1,5 @@
 # dist_checkpointing: install, lint, test, docs, demo, benchmarks.
-# `make test` is exactly what CI runs (.ci/run). Works on a fresh clone with PyPI access only.
+# `make test` (lint, docs, the whole suite) is exactly what CI runs (.ci/run). Works on a fresh clone with PyPI access only.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -20,9 +20,9 @@ DOCS_BUILD := docs/_build
 
 help:
 	@echo "make demo       save and load a sharded checkpoint on $(NPROC) ranks (torchrun)"
-	@echo "make test       lint, then the whole test suite (what CI runs)"
+	@echo "make test       lint, docs, then the whole test suite (what CI runs)"
 	@echo "make test-fast  the test suite without tests marked slow"
-	@echo "make lint       ruff check, ruff format --check, mypy"
+	@echo "make lint       ruff check, ruff format --check, mypy --strict"
 	@echo "make format     apply ruff fixes and formatting"
 	@echo "make docs       build the HTML docs into $(DOCS_BUILD)/html"
 	@echo "make bench      run bench/*.py on $(NPROC) ranks"
@@ -46,7 +46,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: $(STAMP) lint
+test: $(STAMP) lint docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

@@ -10,7 +10,6 @@ naming the variable.
 Knob (env ``DIST_CKPT_...``)   Default    What it controls
 ============================== ========== ===================================================
 SAVE_THREAD_COUNT              2          data files (and writer workers) per rank per save
-PER_THREAD_COPY_AHEAD          10000000   bytes a writer stages ahead of the file it writes
 WRITE_BUFFER_BYTES             262144     buffer of data files opened for writing
 RESULTS_TIMEOUT_S              10.0       wait for a finished writer's results at finalize
 READ_WINDOW_BYTES              16777216   largest read that serves several small items
@@ -72,9 +71,6 @@ class Knob(Generic[N]):
 
 
 SAVE_THREAD_COUNT = Knob("SAVE_THREAD_COUNT", 2, 1, "data files per rank per save")
-PER_THREAD_COPY_AHEAD = Knob(
-    "PER_THREAD_COPY_AHEAD", 10_000_000, 0, "bytes a writer stages ahead of the file it writes"
-)
 WRITE_BUFFER_BYTES = Knob(
     "WRITE_BUFFER_BYTES", 256 << 10, 0, "buffer of data files opened for writing"
 )
@@ -103,7 +99,6 @@ ASYNC_WORKER_JOIN_TIMEOUT_S = Knob(
 
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
-    PER_THREAD_COPY_AHEAD,
     WRITE_BUFFER_BYTES,
     RESULTS_TIMEOUT_S,
     READ_WINDOW_BYTES,
@@ -120,7 +115,6 @@ __all__ = [
     "ENV_PREFIX",
     "Knob",
     "SAVE_THREAD_COUNT",
-    "PER_THREAD_COPY_AHEAD",
     "WRITE_BUFFER_BYTES",
     "RESULTS_TIMEOUT_S",
     "READ_WINDOW_BYTES",

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .._torch_compat import DCP_VERSION, METADATA_FILE_NAME, StoragePrefix
+from ..engine import knobs
 from ..engine.storage.bucketing import build_buckets, data_file_prefix
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.resolve import is_url
@@ -49,9 +50,6 @@ from ..errors import CheckpointingException, CheckpointWriteError, UnsupportedFe
 
 logger = logging.getLogger(__name__)
 
-# How long retrieve_write_results waits for the write function's outcome by default.
-# The outcome is normally there already: finalization runs after the write finished.
-DEFAULT_RESULTS_TIMEOUT_S = 10.0
 # Accepted for parity with torch's FileSystemWriter (bytes staged ahead per thread).
 DEFAULT_PER_THREAD_COPY_AHEAD = 10_000_000
 
@@ -343,15 +341,18 @@ class FileSystemWriterAsync(StorageWriter):
         write_fn = write_buckets_in_process if in_process else write_buckets_multiproc
         return write_fn, _StageFn(buckets), args
 
-    def retrieve_write_results(
-        self, timeout: float = DEFAULT_RESULTS_TIMEOUT_S
-    ) -> list[WriteResult]:
+    def retrieve_write_results(self, timeout: float | None = None) -> list[WriteResult]:
         """This rank's WriteResults once the write function finished.
+
+        ``timeout`` (default: the ``RESULTS_TIMEOUT_S`` knob, 10 s) bounds the wait for
+        the write function's outcome; it is normally there already, since
+        finalization runs after the write finished.
 
         Raises:
             CheckpointWriteError: a bucket failed or its worker died, or no outcome
                 arrived within ``timeout`` seconds; names the rank, files and cause.
         """
+        timeout = knobs.RESULTS_TIMEOUT_S.get(timeout)
         if self._write_results is not None:
             return self._write_results
         if self._buckets is None:

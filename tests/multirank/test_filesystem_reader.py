@@ -527,3 +527,37 @@ def test_metadata_is_read_with_the_restricted_unpickler(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="posix.system|os.system") as info:
         FileSystemReader(tmp_path).read_metadata()
     assert type(info.value).__name__ == "UnsafeCheckpointError"
+
+
+def _count_reads_of_small_items(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_item_bytes: str
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """Save 20 small tensors into one file, read them all back; count the reads."""
+    tensors = {f"t{i}": _sample((64,), torch.float32, seed=i) for i in range(20)}
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    counted: list[int] = []
+
+    class Counting(io.FileIO):
+        def readinto(self, buf: Any) -> int:  # type: ignore[override]
+            n = super().readinto(buf) or 0
+            counted.append(n)
+            return n
+
+    monkeypatch.setattr(fs_io.LocalFileSystem, "open_read", lambda self, p: Counting(p, "r"))
+    monkeypatch.setenv("DIST_CKPT_READ_SMALL_ITEM_BYTES", small_item_bytes)
+    targets = {k: torch.zeros(64) for k in tensors}
+    _read(tmp_path, [(k, k, (0,), (64,), targets[k]) for k in tensors])
+    for k, t in tensors.items():
+        _assert_bit_equal(targets[k], t, k)
+    return len(counted), tensors
+
+
+def test_read_window_knob_changes_how_small_items_are_fetched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batched, _ = _count_reads_of_small_items(tmp_path / "a", monkeypatch, str(1 << 20))
+    one_by_one, _ = _count_reads_of_small_items(tmp_path / "b", monkeypatch, "0")
+    # With the default, neighbouring small items share one read; with a zero
+    # threshold every item is read on its own.
+    assert batched < one_by_one
+    assert one_by_one >= 20

@@ -7,13 +7,10 @@ import logging
 import os
 from typing import BinaryIO
 
+from .. import knobs
 from .base import FileSystemIO, ReadStream
 
 logger = logging.getLogger(__name__)
-
-# Buffer of files opened for writing: small items coalesce in it; writes larger than it
-# go straight to the file (Python's BufferedWriter copies only writes that fit).
-WRITE_BUFFER_BYTES = 256 << 10
 
 
 class LocalFileSystem(FileSystemIO):
@@ -23,7 +20,10 @@ class LocalFileSystem(FileSystemIO):
         return os.path.join(directory, name)
 
     def open_write(self, path: str) -> BinaryIO:
-        return open(path, "wb", buffering=WRITE_BUFFER_BYTES)  # noqa: SIM115 - caller closes
+        # Small items coalesce in the buffer; larger writes go straight to the file
+        # (Python's BufferedWriter copies only writes that fit).
+        buffering = knobs.WRITE_BUFFER_BYTES.get()
+        return open(path, "wb", buffering=buffering)  # noqa: SIM115 - caller closes
 
     def open_read(self, path: str) -> ReadStream:
         # Unbuffered: reads go straight into the caller's buffers (no extra copy).

@@ -35,6 +35,7 @@ from ...errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
+from .. import knobs
 from ..safety import load_metadata, safe_torch_load
 from .base import ReadStream
 from .item_reader import TensorRecord, parse_tensor_item
@@ -42,12 +43,6 @@ from .item_template import NotFastPath
 from .location import CheckpointDir
 
 logger = logging.getLogger(__name__)
-
-# Items up to this size are fetched together with their neighbours ...
-SMALL_ITEM_BYTES = 1 << 20
-# ... in reads of up to this many bytes, skipping gaps of at most MAX_GAP_BYTES.
-WINDOW_BYTES = 16 << 20
-MAX_GAP_BYTES = 256 << 10
 
 
 class FileSystemReader(StorageReader):
@@ -308,17 +303,22 @@ class _File:
 
         Returns ``i + 1`` without reading when items[i] is large (it is read in place).
         """
+        # Small items are fetched together with their neighbours, in reads of up to
+        # READ_WINDOW_BYTES, skipping gaps of at most READ_MAX_GAP_BYTES (see knobs).
+        small = knobs.READ_SMALL_ITEM_BYTES.get()
+        max_gap = knobs.READ_MAX_GAP_BYTES.get()
+        window = knobs.READ_WINDOW_BYTES.get()
         start = items[i][1].offset
         end = start + items[i][1].length
-        if items[i][1].length > SMALL_ITEM_BYTES:
+        if items[i][1].length > small:
             return i + 1
         j = i + 1
         while j < len(items):
             info = items[j][1]
             if (
-                info.length > SMALL_ITEM_BYTES
-                or info.offset - end > MAX_GAP_BYTES
-                or max(end, info.offset + info.length) - start > WINDOW_BYTES
+                info.length > small
+                or info.offset - end > max_gap
+                or max(end, info.offset + info.length) - start > window
             ):
                 break
             end = max(end, info.offset + info.length)
