@@ -60,11 +60,12 @@ class UnsafeCheckpointError(CheckpointingException, ValueError):
     """Loading would require executing or importing code that is not allowed."""
 
 
-class CheckpointWriteError(CheckpointingException, OSError):
+class CheckpointWriteError(CheckpointingException, OSError, RuntimeError):
     """Writing the checkpoint failed on some rank (worker error, disk full, ...).
 
     Raised on every rank; where the ranks agreed on the causes, ``failures`` maps
-    each failing global rank to its cause.
+    each failing global rank to its cause. Also a ``RuntimeError``, as
+    Megatron-Core raises for a failed writer ("Worker failure: ...").
     """
 
     failures: dict[int, str]

@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .dict_utils import dict_list_map_inplace, diff, extract_matching_values
-from .engine.collectives import ProcessGroup, RankGroup
+from .dict_utils import dict_list_map_inplace, extract_matching_values
+from .engine.collectives import ProcessGroup
 from .mapping import (
     CommonStateDict,
     ShardedStateDict,
@@ -23,7 +23,11 @@ from .mapping import (
     apply_factories,
 )
 from .utils import extract_nonpersistent, extract_sharded_base
-from .validation import gather_shard_records, validate_sharding_integrity_on_all_ranks
+from .validation import (
+    gather_shard_records,
+    validate_common_state_dict,
+    validate_sharding_integrity_on_all_ranks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,27 +43,6 @@ def filter_out_empty_flatten_tensor(sharded_state_dict: ShardedStateDict) -> Sha
         ),
     )
     return kept  # type: ignore[return-value]
-
-
-def check_common_consistency(common_state_dict: CommonStateDict, group: RankGroup) -> None:
-    """Log (on the coordinator) where other ranks' common state differs from its own."""
-    if not group.distributed:
-        return
-    gathered = group.gather(common_state_dict)
-    if gathered is None:
-        return
-    for rank, other in enumerate(gathered[1:], start=1):
-        only_0, only_r, mismatch = diff(gathered[0], other)
-        if only_0 or only_r or mismatch:
-            logger.warning(
-                "Common state differs between rank 0 and rank %d (rank 0 wins): only on rank 0: "
-                "%s; only on rank %d: %s; different values: %s",
-                rank,
-                only_0,
-                rank,
-                only_r,
-                [m[0] for m in mismatch],
-            )
 
 
 def save_preprocess(
@@ -89,7 +72,7 @@ def save_preprocess(
         to_check: Any = common_part
         if preprocess_common_before_consistancy_check is not None:
             to_check = preprocess_common_before_consistancy_check(common_part)
-        check_common_consistency(to_check, RankGroup(process_group))
+        validate_common_state_dict(to_check, process_group)
     return sharded_part, common_part
 
 
@@ -105,14 +88,17 @@ def load_preprocess(
     """
     nonpersistent, request = extract_nonpersistent(sharded_state_dict)
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
-    factories, _ = extract_matching_values(request, lambda x: isinstance(x, ShardedTensorFactory))
+    # Lists become dicts keyed by index, so a list that mixes factories and other
+    # leaves merges back position by position (Megatron-Core's semantics).
+    factories, _ = extract_matching_values(
+        request, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+    )
     apply_factories(request)
     request, _ = extract_sharded_base(request)
     return request, nonpersistent, factories  # type: ignore[return-value]
 
 
 __all__ = [
-    "check_common_consistency",
     "filter_out_empty_flatten_tensor",
     "load_preprocess",
     "save_preprocess",

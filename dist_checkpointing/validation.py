@@ -15,7 +15,7 @@ from enum import Enum
 
 import torch.distributed as dist
 
-from .dict_utils import extract_matching_values, nested_values
+from .dict_utils import diff, extract_matching_values, nested_values
 from .engine.collectives import RankGroup, describe_error
 from .engine.sharding_check import (
     GlobalMetadata,
@@ -24,10 +24,7 @@ from .engine.sharding_check import (
     sharding_integrity_problems,
 )
 from .errors import CheckpointingException, InvalidArgumentError, KeyMismatchError, ShardingError
-from .mapping import (
-    ShardedBase,
-    ShardedStateDict,
-)
+from .mapping import CommonStateDict, ShardedBase, ShardedStateDict
 
 logger = logging.getLogger(__name__)
 
@@ -123,21 +120,30 @@ def determine_missing_and_unexpected_keys(
 def report_missing_and_unexpected_keys(
     missing_keys: set[str], unexpected_keys: set[str], raise_error: bool = True
 ) -> None:
-    """Raise :class:`KeyMismatchError` (or log a warning) listing the mismatched keys."""
+    """Raise :class:`KeyMismatchError` (or log a warning) listing the mismatched keys.
+
+    The message starts with Megatron-Core's wording (users' tooling greps for
+    "Missing keys" and "Unexpected keys"), then says what to do.
+    """
     if not missing_keys and not unexpected_keys:
         return
-    parts = []
+    title, body = "", ""
     if missing_keys:
-        parts.append(
-            "keys in the checkpoint that no rank requested (missing, all ranks): "
-            f"{sorted(missing_keys)}"
+        title += (
+            "Some keys found in the checkpoint are missing in the provided sharded state dict. "
         )
+        body += f"Missing keys (for all ranks): {sorted(missing_keys)}. "
     if unexpected_keys:
-        parts.append(
-            "requested keys absent from the checkpoint (unexpected, this rank): "
-            f"{sorted(unexpected_keys)}"
+        title += (
+            "Unexpected keys (not found in the checkpoint) encountered in the provided "
+            "sharded state dict. "
         )
-    msg = "Load request does not match the checkpoint: " + "; ".join(parts)
+        body += f"Unexpected keys (for this rank): {sorted(unexpected_keys)}. "
+    msg = (
+        f"{title}\n{body}\nMissing keys are in the checkpoint but requested by no rank; "
+        "unexpected keys are requested by this rank but absent from the checkpoint. Choose "
+        "another `strict` mode (see StrictHandling) to log, return or ignore them."
+    )
     if raise_error:
         raise KeyMismatchError(msg)
     logger.warning(msg)
@@ -230,6 +236,35 @@ def validate_sharding_integrity_from_problems(problems: Sequence[str]) -> None:
         raise ShardingError(
             f"Invalid sharding ({len(problems)} problem(s)); every global tensor must be "
             "covered exactly once by main replicas (replica_id 0):\n  " + "\n  ".join(problems)
+        )
+
+
+def validate_common_state_dict(
+    common_state_dict: CommonStateDict, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Warn (on the first rank) where other ranks' common state differs from its own.
+
+    Collective over ``process_group``. The first rank's common state is the one
+    saved; the warning keeps Megatron-Core's wording, then says what each entry
+    holds.
+    """
+    group = RankGroup(process_group)
+    if not group.distributed:
+        return
+    gathered = group.gather(common_state_dict)
+    if gathered is None:
+        return
+    differences = {}
+    for rank, other in enumerate(gathered[1:], start=1):
+        only_first, only_other, mismatch = diff(gathered[0], other)
+        if only_first or only_other or mismatch:
+            differences[rank] = (only_first, only_other, mismatch)
+    if differences:
+        logger.warning(
+            "There is difference in the common state dict in different ranks. The differences "
+            "are %s (per rank: keys only on rank 0, keys only on that rank, keys whose values "
+            "differ; rank 0's common state is the one saved)",
+            differences,
         )
 
 

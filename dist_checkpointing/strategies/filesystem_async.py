@@ -17,6 +17,7 @@ for byte what ``torch.save`` writes, without its per-item overhead).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -33,6 +34,8 @@ from torch.futures import Future
 
 from .._torch_compat import DCP_VERSION, METADATA_FILE_NAME, StoragePrefix
 from ..engine import knobs
+from ..engine.storage import write_workers
+from ..engine.storage.base import FileSystemIO
 from ..engine.storage.bucketing import build_buckets, data_file_prefix
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.resolve import is_url
@@ -208,7 +211,9 @@ class FileSystemWriterAsync(StorageWriter):
                 logger.info("overwriting the checkpoint in %s", self.path)
                 self.fs.remove(metadata_path)
         if self.rank is not None:
-            plan = dataclasses.replace(plan, storage_data=StoragePrefix(f"__{self.rank}_"))
+            plan = dataclasses.replace(
+                plan, storage_data=StoragePrefix(data_file_prefix(self.rank))
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -216,14 +221,14 @@ class FileSystemWriterAsync(StorageWriter):
         return [
             plan
             if plan.storage_data is not None
-            else dataclasses.replace(plan, storage_data=StoragePrefix(f"__{i}_"))
+            else dataclasses.replace(plan, storage_data=StoragePrefix(data_file_prefix(i)))
             for i, plan in enumerate(plans)
         ]
 
     def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
         """The global plan of this rank without talking to other ranks (prefix by rank)."""
         rank = self._rank_or_default()
-        return dataclasses.replace(local_plan, storage_data=StoragePrefix(f"__{rank}_"))
+        return dataclasses.replace(local_plan, storage_data=StoragePrefix(data_file_prefix(rank)))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write all items of ``plan`` in this process; a completed Future of the results."""
@@ -232,7 +237,11 @@ class FileSystemWriterAsync(StorageWriter):
         # No bulk staging here: each writer thread copies its tensors to the host one
         # at a time, so host memory stays bounded (as with torch's FileSystemWriter).
         outcome = write_buckets_threaded(
-            self._rank_or_default(), self._buckets, self.fs, self.sync_files
+            self._rank_or_default(),
+            self._buckets,
+            self.fs,
+            self.sync_files,
+            type(self).write_preloaded_data,
         )
         self._write_results = self._check_outcome(outcome)
         future: Future[list[WriteResult]] = Future()
@@ -337,8 +346,15 @@ class FileSystemWriterAsync(StorageWriter):
             else:
                 self._results_queue = FileResultsQueue(self._rank_or_default())
         buckets = self._buckets
+        # Looked up now, so that a patched write_preloaded_data (fault injection) is
+        # what the workers run; a module-level replacement also reaches spawned ones.
+        write_fn: Callable[..., None] = (
+            write_buckets_in_process if in_process else write_buckets_multiproc
+        )
+        hook = type(self).write_preloaded_data
+        if hook is not _DEFAULT_WRITE_PRELOADED_DATA:
+            write_fn = functools.partial(write_fn, write_bucket=hook)
         args: list[Any] = [self._rank_or_default(), buckets, self._results_queue, self.sync_files]
-        write_fn = write_buckets_in_process if in_process else write_buckets_multiproc
         return write_fn, _StageFn(buckets), args
 
     def retrieve_write_results(self, timeout: float | None = None) -> list[WriteResult]:
@@ -380,6 +396,20 @@ class FileSystemWriterAsync(StorageWriter):
         self._write_results = self._check_outcome(outcome)
         return self._write_results
 
+    @staticmethod
+    def write_preloaded_data(
+        bucket: WriteBucket, fs: FileSystemIO, sync_files: bool
+    ) -> list[WriteResult]:
+        """Write one staged bucket file and return its WriteResults.
+
+        What every writer thread and worker process runs, looked up on the class
+        when the save is prepared: replace it (e.g. ``monkeypatch.setattr(
+        FileSystemWriterAsync, "write_preloaded_data", fn)``) to inject faults.
+        Whatever it raises fails the save on every rank with a ``RuntimeError``
+        (:class:`CheckpointWriteError`) whose message starts with "Worker failure".
+        """
+        return write_workers.write_bucket_file(bucket, fs, sync_files)
+
     # ----------------------------------------------------------------- helpers
 
     def _check_outcome(self, outcome: WriteOutcome) -> list[WriteResult]:
@@ -393,7 +423,7 @@ class FileSystemWriterAsync(StorageWriter):
         if missing:
             problems.append(f"rank {outcome.rank}: no result reported for {', '.join(missing)}")
         if problems:
-            raise CheckpointWriteError("\n".join(problems))
+            raise CheckpointWriteError("Worker failure: " + "\n".join(problems))
         return [wr for i in range(len(self._buckets)) for wr in outcome.results[i]]
 
     def _file_prefix(self, plan: SavePlan) -> str:
@@ -408,6 +438,9 @@ class FileSystemWriterAsync(StorageWriter):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.get_rank()
         return 0
+
+
+_DEFAULT_WRITE_PRELOADED_DATA = FileSystemWriterAsync.write_preloaded_data
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,12 @@ def _unsafe_load_error(message: str, source: str) -> UnsafeCheckpointError | Non
     return None
 
 
+# Plain data containers Megatron-Core stores in ShardedObjects and common state: an
+# ``io.BytesIO`` is rebuilt from its bytes and position (``__setstate__``); nothing
+# it holds is executed.
+ALWAYS_ALLOWED_TYPES: tuple[type, ...] = (io.BytesIO,)
+
+
 def _new_safe_globals(
     allowed_types: Sequence[type],
 ) -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
@@ -90,7 +96,8 @@ def _new_safe_globals(
         if not isinstance(allowed, type):
             raise TypeError(f"allowed_types must hold classes, found {allowed!r}")
     registered = torch.serialization.get_safe_globals()
-    return [t for t in dict.fromkeys(allowed_types) if t not in registered]
+    wanted = dict.fromkeys((*ALWAYS_ALLOWED_TYPES, *allowed_types))
+    return [t for t in wanted if t not in registered]
 
 
 def safe_torch_load(
@@ -102,8 +109,8 @@ def safe_torch_load(
 ) -> Any:
     """Load a ``torch.save`` payload (``common.pt``, ShardedObject bytes) onto the CPU.
 
-    1. Unless ``trusted``, load with ``weights_only=True``: tensors, containers and
-       primitives only, plus the classes in ``allowed_types`` for this call (torch's
+    1. Unless ``trusted``, load with ``weights_only=True``: tensors, containers,
+       primitives and ``io.BytesIO`` only, plus the classes in ``allowed_types`` for this call (torch's
        ``safe_globals`` context; note that torch keeps that list process-wide while
        the call runs).
     2. With ``trusted=True``, load with plain pickle: only for files you wrote.

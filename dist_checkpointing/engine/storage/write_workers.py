@@ -22,6 +22,7 @@ import signal
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -122,6 +123,10 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
     return results
 
 
+# Writes one staged bucket file and returns its WriteResults.
+BucketWriter = Callable[[WriteBucket, FileSystemIO, bool], list[WriteResult]]
+
+
 def _result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
     return WriteResult(
         index=item.index,
@@ -162,14 +167,19 @@ def _record_failure(
 
 
 def write_buckets_threaded(
-    rank: int, buckets: list[WriteBucket], fs: FileSystemIO, sync_files: bool
+    rank: int,
+    buckets: list[WriteBucket],
+    fs: FileSystemIO,
+    sync_files: bool,
+    write_bucket: BucketWriter | None = None,
 ) -> WriteOutcome:
     """Write each bucket in its own thread of this process (the first in this thread)."""
     outcome = WriteOutcome(rank)
+    write = write_bucket or write_bucket_file  # looked up per call: tests may patch it
 
     def run(idx: int) -> None:
         try:
-            outcome.results[idx] = write_bucket_file(buckets[idx], fs, sync_files)
+            outcome.results[idx] = write(buckets[idx], fs, sync_files)
         except Exception as exc:  # noqa: BLE001 - reported through the outcome
             _record_failure(outcome, idx, buckets[idx], _failure_text(exc), traceback_text(exc))
 
@@ -184,7 +194,11 @@ def write_buckets_threaded(
 
 
 def _bucket_worker(
-    rank: int, bucket: WriteBucket, fs: FileSystemIO, sync_files: bool, conn: Any
+    bucket: WriteBucket,
+    fs: FileSystemIO,
+    sync_files: bool,
+    write_bucket: BucketWriter,
+    conn: Any,
 ) -> None:
     """Entry point of a per-bucket worker process: write, then send results or error text."""
     gc.disable()
@@ -193,7 +207,7 @@ def _bucket_worker(
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        message: tuple[Any, ...] = ("ok", write_bucket_file(bucket, fs, sync_files))
+        message: tuple[Any, ...] = ("ok", write_bucket(bucket, fs, sync_files))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         message = ("error", _failure_text(exc), traceback_text(exc))
     conn.send(message)
@@ -201,7 +215,11 @@ def _bucket_worker(
 
 
 def _run_bucket_workers(
-    rank: int, buckets: list[WriteBucket], fs: FileSystemIO, sync_files: bool
+    rank: int,
+    buckets: list[WriteBucket],
+    fs: FileSystemIO,
+    sync_files: bool,
+    write_bucket: BucketWriter,
 ) -> WriteOutcome:
     """Fork one worker per bucket; collect each one's results, error or death."""
     from multiprocessing.connection import wait
@@ -213,7 +231,7 @@ def _run_bucket_workers(
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_bucket_worker,
-            args=(rank, bucket, fs, sync_files, writer),
+            args=(bucket, fs, sync_files, write_bucket, writer),
             name=f"dist-ckpt-writer-r{rank}-b{idx}",
             daemon=True,
         )
@@ -262,7 +280,11 @@ def _record_message(
 
 
 def write_buckets_multiproc(
-    rank: int, buckets: list[WriteBucket], results_queue: ResultsQueue, sync_files: bool = True
+    rank: int,
+    buckets: list[WriteBucket],
+    results_queue: ResultsQueue,
+    sync_files: bool = True,
+    write_bucket: BucketWriter | None = None,
 ) -> None:
     """Write ``buckets`` (staged to host) and put a :class:`WriteOutcome` into ``results_queue``.
 
@@ -274,20 +296,25 @@ def write_buckets_multiproc(
     buckets need not be pickled). A worker that raises reports its traceback; one
     that dies is detected from its exit code. Never raises for write failures:
     they go into the outcome, and :meth:`FileSystemWriterAsync.retrieve_write_results`
-    raises them.
+    raises them. ``write_bucket`` writes one bucket file (the writer passes its
+    ``write_preloaded_data``, which users may patch).
     """
-    _write_buckets(rank, buckets, results_queue, sync_files, in_process=False)
+    _write_buckets(rank, buckets, results_queue, sync_files, write_bucket, in_process=False)
 
 
 def write_buckets_in_process(
-    rank: int, buckets: list[WriteBucket], results_queue: ResultsQueue, sync_files: bool = True
+    rank: int,
+    buckets: list[WriteBucket],
+    results_queue: ResultsQueue,
+    sync_files: bool = True,
+    write_bucket: BucketWriter | None = None,
 ) -> None:
     """Like :func:`write_buckets_multiproc`, with one thread per bucket in this process.
 
     The write function of synchronous saves: no process is started, so nothing
     is forked from the trainer and no memory is duplicated.
     """
-    _write_buckets(rank, buckets, results_queue, sync_files, in_process=True)
+    _write_buckets(rank, buckets, results_queue, sync_files, write_bucket, in_process=True)
 
 
 def _write_buckets(
@@ -295,23 +322,26 @@ def _write_buckets(
     buckets: list[WriteBucket],
     results_queue: ResultsQueue,
     sync_files: bool,
+    write_bucket: BucketWriter | None,
     in_process: bool,
 ) -> None:
     import multiprocessing
+
+    write_bucket = write_bucket or write_bucket_file  # looked up per call: tests may patch it
 
     fs = filesystem_for(os.path.dirname(buckets[0].path) if buckets else ".")
     with gc_paused():
         if (in_process or multiprocessing.current_process().daemon) and len(buckets) > 1:
             # A daemonic process may not start children: write with threads instead.
-            outcome = write_buckets_threaded(rank, buckets, fs, sync_files)
+            outcome = write_buckets_threaded(rank, buckets, fs, sync_files, write_bucket)
         elif len(buckets) == 1:
             try:
-                outcome = WriteOutcome(rank, {0: write_bucket_file(buckets[0], fs, sync_files)})
+                outcome = WriteOutcome(rank, {0: write_bucket(buckets[0], fs, sync_files)})
             except Exception as exc:  # noqa: BLE001 - reported through the outcome
                 outcome = WriteOutcome(rank)
                 _record_failure(outcome, 0, buckets[0], _failure_text(exc), traceback_text(exc))
         else:
-            outcome = _run_bucket_workers(rank, buckets, fs, sync_files)
+            outcome = _run_bucket_workers(rank, buckets, fs, sync_files, write_bucket)
     results_queue.put(outcome)
 
 

@@ -118,6 +118,7 @@ class ReadLayout:
         self.chunks: dict[str, list[tuple[ChunkStorageMetadata, _Target]]] = {}
         self.block_cache: dict[tuple[str, tuple[int, ...]], _Staging] = {}
         self.stagings: list[_Staging] = []
+        self._zero_fill = False
 
     def finish_ready(self) -> None:
         """Run the copy-backs of staging buffers that need no read."""
@@ -142,13 +143,20 @@ class ReadLayout:
         chunk = ChunkStorageMetadata(offsets=_size(offsets), sizes=_size(sizes))
         self.chunks.setdefault(key, []).append((chunk, target))
 
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # Zeros where a request may extend past the stored tensor: what no read
+        # covers is copied into the destination as zeros.
+        alloc = torch.zeros if self._zero_fill else torch.empty
+        return alloc(shape, dtype=dtype)
+
     def _new_staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> _Staging:
-        staging = _Staging(torch.empty(shape, dtype=dtype))
+        staging = _Staging(self._alloc(shape, dtype))
         self.stagings.append(staging)
         return staging
 
     def plan_tensor(self, key: str, sh: ShardedTensor) -> None:
         assert sh.data is not None
+        self._zero_fill = sh.allow_shape_mismatch
         md = self.metadata.state_dict_metadata[key]
         assert isinstance(md, TensorStorageMetadata)
         stored_dtype = md.properties.dtype
@@ -182,6 +190,9 @@ class ReadLayout:
             self._add_chunk(key, offsets, sizes, _Target(view))
             return
         staging = self._new_staging(sizes, stored_dtype)
+        if self._zero_fill:
+            # What no read covers must come back as the destination held it.
+            staging.buffer.copy_(data.reshape(sizes))
 
         def copy_back() -> None:
             data.copy_(staging.buffer.reshape(data.shape))
@@ -226,7 +237,7 @@ class ReadLayout:
             if data.is_contiguous():
                 out = data.view(req_block)
             else:
-                out = torch.empty(box_size, dtype=data.dtype)
+                out = self._alloc(box_size, data.dtype)
 
                 def finish_request(box: torch.Tensor) -> None:
                     data.copy_(box.reshape(data.shape))
@@ -234,7 +245,7 @@ class ReadLayout:
             first, last = flat_range_rows(req_block, sh.flattened_range)
             box_off = (req_off[0] + first,) + req_off[1:]
             box_size = (last - first,) + req_block[1:]
-            out = torch.empty(box_size, dtype=md.properties.dtype)
+            out = self._alloc(box_size, md.properties.dtype)
             start = sh.flattened_range.start - first * math.prod(req_block[1:])
             flat = sh.data
 

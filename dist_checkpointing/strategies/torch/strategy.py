@@ -202,6 +202,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return AsyncRequest(save_fn, tuple(save_args), [finalize], preload_fn=preload_fn)
 
 
+def _prepare_destination(sh: ShardedTensor) -> None:
+    """Allocate the request's tensor on the CPU if it has none. With
+    ``allow_shape_mismatch`` it starts from zeros: the part the checkpoint does not
+    cover comes back as zeros, never as uninitialized memory (a tensor the caller
+    passed keeps its own values there)."""
+    if sh.data is None:
+        sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
+
+
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Loads ShardedTensors and ShardedObjects from a PyTorch DCP checkpoint.
 
@@ -258,8 +267,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             # Before dropping empty flat ranges: they too come back as (empty) tensors.
             for shards in by_key.values():
                 for sh in shards:
-                    if isinstance(sh, ShardedTensor) and sh.data is None:
-                        sh.init_data("cpu")
+                    if isinstance(sh, ShardedTensor):
+                        _prepare_destination(sh)
             by_key = _drop_empty_flat(by_key)
             self._read(by_key, checkpoint_dir)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
