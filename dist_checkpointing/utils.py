@@ -6,8 +6,32 @@ non-persistent ones, and the common (non-sharded) rest.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .dict_utils import extract_matching_values
-from .mapping import LocalNonpersistentObject, ShardedBase, ShardedStateDict, StateDict
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+)
+
+# What identifies one shard across ranks: (key, global offset, flat range or ()).
+_ShardId = tuple[Any, ...]
+
+
+def _sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
+    """The id of a ShardedTensor's shard, equal on every rank that holds a replica."""
+    fr = sharded_tensor.flattened_range
+    flat = () if fr is None else (fr.start, fr.stop)
+    return (sharded_tensor.key, tuple(sharded_tensor.global_offset), flat)
+
+
+def _sharded_object_id(sharded_object: ShardedObject) -> _ShardId:
+    """The id of a ShardedObject's shard (its unique key)."""
+    return (sharded_object.unique_key,)
 
 
 def extract_sharded_base(

@@ -81,7 +81,11 @@ class RankGroup:
         """The coordinator's global rank (the ``src``/``dst`` of collectives)."""
         return self.global_rank(self.coordinator)
 
-    def _device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
+        """Where tensors for this group's collectives live (CUDA for NCCL, else CPU)."""
+        if not dist_active():
+            return torch.device("cpu")
         if dist.get_backend(self.group) == dist.Backend.NCCL:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -94,7 +98,7 @@ class RankGroup:
         """Every rank gets the element-wise reduction of ``values`` (one all-reduce)."""
         if not self.distributed:
             return [int(v) for v in values]
-        t = torch.tensor(list(values), dtype=torch.int64, device=self._device())
+        t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=op, group=self.group)
         return [int(v) for v in t.tolist()]
 

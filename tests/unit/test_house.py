@@ -215,6 +215,8 @@ def test_no_print_in_the_library() -> None:
         "strategies.async_utils",
         "strategies.filesystem_async",
         "strategies.state_dict_saver",
+        "strategies.fully_parallel",
+        "exchange_utils",
     ],
 )
 def test_megatron_module_paths_exist(module: str) -> None:

@@ -1,0 +1,325 @@
+"""Distributing shards over the ranks of a group and exchanging what they loaded.
+
+Megatron-Core's ``dist_checkpointing.exchange_utils`` module path. Used by the
+fully parallel strategies (:mod:`.strategies.fully_parallel`):
+
+1. every rank of the group learns which ranks hold which shards (one
+   ``all_gather_object`` of data-less ShardedTensors);
+2. every rank computes the same size-balanced assignment of each shard to one
+   of the ranks that hold it (:func:`distribute_shards_to_ranks`, deterministic,
+   so nothing else is exchanged);
+3. at load, each shard is read by its assigned rank only, then sent to the other
+   ranks that need it (:func:`exchange_by_distribution`: ``broadcast``,
+   ``gather_object`` or ``gather_rounds``).
+
+Collectives run on the group's device (CUDA for NCCL, CPU for gloo); loaded
+tensors go back to the device they were loaded on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from itertools import zip_longest
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .dict_utils import nested_values
+from .engine.collectives import RankGroup
+from .errors import CheckpointingException, InvalidArgumentError
+from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
+from .utils import _sharded_tensor_shard_id, _ShardId
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ProcessGroup = dist.ProcessGroup | None
+
+
+class ShardDistribution(NamedTuple):
+    """Which rank of a parallelization group handles each shard.
+
+    ``main_rank_for_shard``: the group rank that saves (or loads) each shard;
+    ``shards_in_this_group``: the shards whose main replica is in this group;
+    ``shard_to_metadata``: a data-less ShardedTensor describing each shard;
+    ``all_ranks_for_shard``: the group ranks that hold (or need) each shard.
+    """
+
+    main_rank_for_shard: dict[_ShardId, int]
+    shards_in_this_group: set[_ShardId]
+    shard_to_metadata: dict[_ShardId, ShardedTensor]
+    all_ranks_for_shard: dict[_ShardId, list[int]]
+
+
+def _shard_size(sh_ten: ShardedTensor) -> int:
+    """Bytes of one shard's data."""
+    if sh_ten.flattened_range is None:
+        numel = 1
+        for size in sh_ten.local_shape:
+            numel *= size
+    else:
+        numel = sh_ten.flattened_range.stop - sh_ten.flattened_range.start
+    return numel * torch.empty((), dtype=sh_ten.dtype).element_size()
+
+
+def distribute_shards_to_ranks(
+    shard_to_ranks: dict[T, list[int]], shard_to_size: dict[T, int], num_ranks: int
+) -> dict[T, int]:
+    """Assign each shard to one of the ranks that have it, balancing bytes per rank.
+
+    Greedy and deterministic (every rank computes the same result): shards
+    available on fewer ranks first, then larger shards first, then by id; each
+    goes to the least loaded of its ranks (ties to the lowest rank).
+    """
+    load = [0] * num_ranks
+    assignment: dict[T, int] = {}
+    order = sorted(
+        shard_to_ranks.items(), key=lambda kv: (len(kv[1]), -shard_to_size[kv[0]], kv[0])
+    )
+    for shard_id, ranks in order:
+        rank = min(set(ranks), key=lambda r: (load[r], r))
+        assignment[shard_id] = rank
+        load[rank] += shard_to_size[shard_id]
+    logger.debug("shard distribution: bytes per rank %s", load)
+    return assignment
+
+
+def determine_main_replica_uniform_distribution(
+    sharded_state_dict: ShardedStateDict,
+    parallelization_group: ProcessGroup,
+    ignore_groups: bool = False,
+) -> ShardDistribution | None:
+    """The distribution of this state dict's ShardedTensors over the group (collective).
+
+    Args:
+        sharded_state_dict: this rank's state dict.
+        parallelization_group: the ranks that share the work.
+        ignore_groups: distribute every shard held in the group, also those whose
+            main replica is elsewhere (for loads: every replica must be filled).
+
+    Returns:
+        The distribution, or None for a group of one rank.
+    """
+    group = RankGroup(parallelization_group)
+    if not group.distributed:
+        return None
+    local = [
+        sh.without_data()
+        for sh in nested_values(sharded_state_dict)
+        if isinstance(sh, ShardedTensor)
+    ]
+    shard_to_ranks: dict[_ShardId, list[int]] = defaultdict(list)
+    shard_to_size: dict[_ShardId, int] = {}
+    shard_to_metadata: dict[_ShardId, ShardedTensor] = {}
+    in_group: set[_ShardId] = set()
+    for rank, rank_shards in enumerate(group.all_gather(local)):
+        for sh in rank_shards:
+            shard_id = _sharded_tensor_shard_id(sh)
+            if rank not in shard_to_ranks[shard_id]:
+                shard_to_ranks[shard_id].append(rank)
+            if shard_id not in shard_to_size:
+                shard_to_size[shard_id] = _shard_size(sh)
+                shard_to_metadata[shard_id] = sh
+            if ignore_groups or is_main_replica(sh.replica_id):
+                in_group.add(shard_id)
+    ranks_in_group = {k: v for k, v in shard_to_ranks.items() if k in in_group}
+    main_rank = distribute_shards_to_ranks(ranks_in_group, shard_to_size, group.world)
+    return ShardDistribution(main_rank, in_group, shard_to_metadata, ranks_in_group)
+
+
+# --------------------------------------------------------------------------- exchange
+
+
+def _exchanged(distribution: ShardDistribution) -> list[tuple[_ShardId, int]]:
+    """``(shard, loading rank)`` of every shard needed by more than its loading rank,
+    in an order every rank agrees on."""
+    return sorted(
+        (shard_id, rank)
+        for shard_id, rank in distribution.main_rank_for_shard.items()
+        if len(distribution.all_ranks_for_shard[shard_id]) > 1
+    )
+
+
+def _receive_buffer(
+    shard_id: _ShardId,
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    distribution: ShardDistribution,
+    device: torch.device,
+) -> torch.Tensor:
+    """An empty tensor on ``device`` shaped like the shard."""
+    sh = unloaded_shards.get(shard_id) or distribution.shard_to_metadata[shard_id]
+    if sh.flattened_range is not None:
+        numel = sh.flattened_range.stop - sh.flattened_range.start
+        return torch.empty(numel, dtype=sh.dtype, device=device)
+    return torch.empty(sh.local_shape, dtype=sh.dtype, device=device)
+
+
+def _keep_if_needed(
+    result: dict[_ShardId, torch.Tensor],
+    shard_id: _ShardId,
+    tensor: torch.Tensor,
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+) -> None:
+    if shard_id in unloaded_shards:
+        result[shard_id] = tensor.cpu() if tensor.device.type != "cpu" else tensor
+
+
+@torch.no_grad()
+def exchange_loaded_tensors_broadcast(
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution,
+    parallelization_group: ProcessGroup = None,
+) -> dict[_ShardId, torch.Tensor]:
+    """One broadcast per shard that several ranks need, from the rank that loaded it.
+
+    Returns ``loaded_tensors`` plus every shard of ``unloaded_shards`` (on the CPU).
+    """
+    group = RankGroup(parallelization_group)
+    result = dict(loaded_tensors)
+    for shard_id, owner in _exchanged(shard_distribution):
+        if owner == group.rank:
+            tensor = loaded_tensors[shard_id].to(group.device)
+        else:
+            tensor = _receive_buffer(shard_id, unloaded_shards, shard_distribution, group.device)
+        dist.broadcast(tensor, src=group.global_rank(owner), group=parallelization_group)
+        if owner != group.rank:
+            _keep_if_needed(result, shard_id, tensor, unloaded_shards)
+    return result
+
+
+def exchange_loaded_tensors_gather_object(
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution,
+    parallelization_group: ProcessGroup = None,
+) -> dict[_ShardId, torch.Tensor]:
+    """Every rank's loaded tensors to every rank in one ``all_gather_object`` (simple,
+    memory hungry: meant for debugging and small states)."""
+    group = RankGroup(parallelization_group)
+    shared = {k: v.cpu() for k, v in loaded_tensors.items()}
+    everything: dict[_ShardId, torch.Tensor] = {}
+    for rank_tensors in group.all_gather(shared):
+        duplicates = set(everything) & set(rank_tensors)
+        if duplicates:
+            raise CheckpointingException(
+                f"shards loaded by more than one rank: {sorted(map(str, duplicates))[:5]}"
+            )
+        everything.update(rank_tensors)
+    result = dict(loaded_tensors)
+    for shard_id in unloaded_shards:
+        if shard_id in everything:
+            result[shard_id] = everything[shard_id]
+    return result
+
+
+def exchange_loaded_objects_gather_object(
+    loaded_objects: dict[_ShardId, Any], *, parallelization_group: ProcessGroup = None
+) -> dict[_ShardId, Any]:
+    """Every rank's loaded ShardedObject payloads to every rank (``all_gather_object``).
+
+    Raises:
+        CheckpointingException: two ranks loaded the same object.
+    """
+    everything: dict[_ShardId, Any] = {}
+    for rank_objects in RankGroup(parallelization_group).all_gather(loaded_objects):
+        duplicates = set(everything) & set(rank_objects)
+        if duplicates:
+            raise CheckpointingException(
+                f"objects loaded by more than one rank: {sorted(map(str, duplicates))[:5]}"
+            )
+        everything.update(rank_objects)
+    return everything
+
+
+@torch.no_grad()
+def exchange_loaded_tensors_gather_rounds(
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution | None = None,
+    parallelization_group: ProcessGroup = None,
+) -> dict[_ShardId, torch.Tensor]:
+    """Exchange in rounds of ``all_gather``: per dtype, in round ``i`` every rank
+    contributes its ``i``-th shard (flattened, padded to the round's largest)."""
+    if shard_distribution is None:
+        raise InvalidArgumentError("exchange_loaded_tensors_gather_rounds needs a distribution")
+    group = RankGroup(parallelization_group)
+    result = dict(loaded_tensors)
+    metadata = shard_distribution.shard_to_metadata
+    exchanged = _exchanged(shard_distribution)
+    for dtype in sorted({metadata[s].dtype for s, _ in exchanged}, key=str):
+        by_rank: list[list[_ShardId]] = [[] for _ in range(group.world)]
+        for shard_id, owner in exchanged:
+            if metadata[shard_id].dtype == dtype:
+                by_rank[owner].append(shard_id)
+        for round_ids in zip_longest(*by_rank):
+            _gather_round(
+                round_ids, dtype, loaded_tensors, unloaded_shards, metadata, group, result
+            )
+    return result
+
+
+def _gather_round(
+    round_ids: tuple[_ShardId | None, ...],
+    dtype: torch.dtype,
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    metadata: dict[_ShardId, ShardedTensor],
+    group: RankGroup,
+    result: dict[_ShardId, torch.Tensor],
+) -> None:
+    sizes = [0 if s is None else _shard_size(metadata[s]) // dtype.itemsize for s in round_ids]
+    width = max(sizes)
+    buffers = [torch.zeros(width, dtype=dtype, device=group.device) for _ in round_ids]
+    mine = round_ids[group.rank]
+    if mine is not None:
+        buffers[group.rank][: sizes[group.rank]].copy_(loaded_tensors[mine].reshape(-1))
+    dist.all_gather(buffers, buffers[group.rank], group=group.group)
+    for rank, shard_id in enumerate(round_ids):
+        if shard_id is None or rank == group.rank or shard_id not in unloaded_shards:
+            continue
+        sh = unloaded_shards[shard_id]
+        shape = (sizes[rank],) if sh.flattened_range is not None else sh.local_shape
+        _keep_if_needed(
+            result, shard_id, buffers[rank][: sizes[rank]].reshape(shape), unloaded_shards
+        )
+
+
+_EXCHANGES: dict[str, Callable[..., dict[_ShardId, torch.Tensor]]] = {
+    "broadcast": exchange_loaded_tensors_broadcast,
+    "gather_object": exchange_loaded_tensors_gather_object,
+    "gather_rounds": exchange_loaded_tensors_gather_rounds,
+}
+
+
+def exchange_by_distribution(
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution,
+    parallelization_group: ProcessGroup = None,
+    exchange_algo: str = "broadcast",
+) -> dict[_ShardId, torch.Tensor]:
+    """Exchange loaded tensors with ``exchange_algo`` (``broadcast``, ``gather_object``
+    or ``gather_rounds``); returns the tensors this rank needs, by shard id."""
+    exchange = _EXCHANGES.get(exchange_algo)
+    if exchange is None:
+        raise InvalidArgumentError(
+            f"unknown exchange_algo {exchange_algo!r}; choose one of {sorted(_EXCHANGES)}"
+        )
+    return exchange(loaded_tensors, unloaded_shards, shard_distribution, parallelization_group)
+
+
+__all__ = [
+    "ShardDistribution",
+    "determine_main_replica_uniform_distribution",
+    "distribute_shards_to_ranks",
+    "exchange_by_distribution",
+    "exchange_loaded_objects_gather_object",
+    "exchange_loaded_tensors_broadcast",
+    "exchange_loaded_tensors_gather_object",
+    "exchange_loaded_tensors_gather_rounds",
+]
