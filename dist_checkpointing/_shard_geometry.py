@@ -61,7 +61,9 @@ def metadata_problem(t: TensorBlock) -> str | None:
 
 
 def block_position_problem(t: TensorBlock) -> str | None:
-    """Whether the block lies on a regular grid inside the global tensor."""
+    """Whether the block lies inside the global tensor, on a regular grid unless
+    ``axis_fragmentations`` is None and there is no flat range (irregular sharding:
+    any offsets)."""
     p = t.prepend_axis_num
     for axis in range(p):
         if t.global_offset[axis] >= max(t.global_shape[axis], 1):
@@ -69,8 +71,10 @@ def block_position_problem(t: TensorBlock) -> str | None:
                 f"prepended axis {axis}: offset {t.global_offset[axis]} is outside "
                 f"global size {t.global_shape[axis]}"
             )
+    # Flat ranges are stored in the N-D reformulation of grid blocks: they need the grid.
+    regular = t.axis_fragmentations is not None or t.flattened_range is not None
     for axis, (off, sh) in enumerate(zip(t.global_offset[p:], t.local_shape), start=p):
-        if sh != 0 and off % sh != 0:
+        if regular and sh != 0 and off % sh != 0:
             return (
                 f"global offset {off} on axis {axis} is not divisible by the local size {sh} "
                 "(blocks must lie on a regular grid)"
@@ -263,9 +267,47 @@ def parse_object_unique_key(
     return key, offset, shape
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def box_minus(box: Box, hole: Box) -> list[Box]:
+    """The parts of ``box`` outside ``hole``, as at most ``2 * ndim`` disjoint boxes."""
+    (offsets, sizes), (h_off, h_sizes) = box, hole
+    lo = [max(o, h) for o, h in zip(offsets, h_off)]
+    hi = [min(o + s, h + t) for o, s, h, t in zip(offsets, sizes, h_off, h_sizes)]
+    if any(h <= low for low, h in zip(lo, hi)):
+        return [box]  # no intersection
+    parts: list[Box] = []
+    cur_off, cur_sizes = list(offsets), list(sizes)
+    for axis in range(len(offsets)):
+        start, stop = cur_off[axis], cur_off[axis] + cur_sizes[axis]
+        if start < lo[axis]:  # the slab before the hole on this axis
+            parts.append(_with_axis(cur_off, cur_sizes, axis, start, lo[axis] - start))
+        if hi[axis] < stop:  # the slab after it
+            parts.append(_with_axis(cur_off, cur_sizes, axis, hi[axis], stop - hi[axis]))
+        cur_off[axis], cur_sizes[axis] = lo[axis], hi[axis] - lo[axis]
+    return parts
+
+
+def _with_axis(offsets: list[int], sizes: list[int], axis: int, start: int, size: int) -> Box:
+    new_off, new_sizes = list(offsets), list(sizes)
+    new_off[axis], new_sizes[axis] = start, size
+    return tuple(new_off), tuple(new_sizes)
+
+
+def uncovered_boxes(global_shape: tuple[int, ...], boxes: Sequence[Box]) -> list[Box]:
+    """Disjoint boxes covering what of the global tensor ``boxes`` do not cover."""
+    remaining: list[Box] = [((0,) * len(global_shape), tuple(global_shape))]
+    for hole in boxes:
+        remaining = [part for box in remaining for part in box_minus(box, hole)]
+    return [(o, s) for o, s in remaining if all(s)]
+
+
 __all__ = [
     "TensorBlock",
+    "Box",
     "block_position_problem",
+    "box_minus",
     "data_problem",
     "flat_global_coordinates",
     "flat_local_coordinates",
@@ -277,4 +319,5 @@ __all__ = [
     "narrowed_grid",
     "object_unique_key",
     "parse_object_unique_key",
+    "uncovered_boxes",
 ]

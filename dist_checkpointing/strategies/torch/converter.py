@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..._shard_geometry import uncovered_boxes
 from ..._torch_compat import (
     TorchShard,
     TorchShardedTensor,
@@ -167,7 +168,7 @@ def _check_shards(sh_tens: list[ShardedTensor], world: int) -> ShardedTensor:
     if any(sh.key != first.key for sh in sh_tens):
         raise MappingError(f"ShardedTensors of different keys: {sorted({s.key for s in sh_tens})}")
     if first.axis_fragmentations is None:
-        raise MappingError(f"ShardedTensor '{first.key}': a regular grid needs axis_fragmentations")
+        return first  # irregular: described by _irregular_shards
     needs_placeholders = any(
         sh.flattened_range is not None
         and (sh.flattened_range.start > 0 or sh.flattened_range.stop < math.prod(block_shape(sh)))
@@ -180,6 +181,31 @@ def _check_shards(sh_tens: list[ShardedTensor], world: int) -> ShardedTensor:
             f"(the process group has {world} rank)"
         )
     return first
+
+
+def _irregular_shards(
+    sh_tens: list[ShardedTensor], rank: int, world: int
+) -> tuple[list[Any], list[Any]]:
+    """Shards at arbitrary offsets (no grid): the local blocks, plus placeholders on
+    another rank for every part of the tensor this rank does not hold."""
+    shards, metadata, boxes = [], [], []
+    for sh in sh_tens:
+        sizes = block_shape(sh)
+        md = _shard_md(sh.global_offset, sizes, rank)
+        data = sh.data if sh.data is not None else torch.empty(sizes, dtype=sh.dtype)
+        shards.append(TorchShard(data.reshape(sizes), md))
+        metadata.append(md)
+        boxes.append((tuple(sh.global_offset), sizes))
+    rest = uncovered_boxes(tuple(sh_tens[0].global_shape), boxes)
+    if rest and world < 2:
+        raise MappingError(
+            f"ShardedTensor '{sh_tens[0].key}': this rank holds only part of the tensor, and a "
+            "PyTorch ShardedTensor can describe the other parts only on another rank "
+            f"(the process group has {world} rank)"
+        )
+    other = (rank + 1) % max(world, 2)
+    metadata += [_shard_md(offsets, sizes, other) for offsets, sizes in rest]
+    return shards, metadata
 
 
 def _local_shards(
@@ -261,16 +287,19 @@ def sharded_tensor_to_torch_sharded_tensor(
     local shards). No communication happens.
 
     Args:
-        sh_tens: ShardedTensors of the same key, all on a regular grid.
+        sh_tens: ShardedTensors of the same key, on a regular grid or (with
+            ``axis_fragmentations=None``) at arbitrary offsets.
         rank: this rank (default: the current process group rank, or 0).
         load_legacy_1d_flatten_tensors: treat 1-D flat tensors as stored by
             Megatron-Core before the N-D reformulation (a 1-D global tensor).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     first = _check_shards(sh_tens, world)
-    assert first.axis_fragmentations is not None
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
+    if first.axis_fragmentations is None:
+        local_shards, shards_md = _irregular_shards(sh_tens, rank, world)
+        return _assemble(first, local_shards, shards_md, is_flat=False)
     legacy_1d = load_legacy_1d_flatten_tensors and len(first.global_shape) == 1
     layout = _ShardLayout(
         rank=rank,
