@@ -129,7 +129,7 @@ def test_layout_of_the_saved_checkpoint(ckpt: Path) -> None:
     """The precondition of the removal tests: opt.* live in files of their own."""
     files = _files_of(ckpt)
     for rank in range(WORLD):
-        assert files[f"__{rank}_1.distcp"] == {"opt.x", "opt.y"}
+        assert files[f"opt.__{rank}_1.distcp"] == {"opt.x", "opt.y"}
         assert {"model.a", "model.b", "flat"} <= files[f"__{rank}_0.distcp"]
 
 
@@ -191,7 +191,7 @@ def test_remove_sharded_tensors_by_prefix(ckpt: Path) -> None:
     dcp.remove_sharded_tensors(ckpt, "opt.")
     # Files that held only removed keys are deleted; the others are kept.
     for rank in range(WORLD):
-        assert not (ckpt / f"__{rank}_1.distcp").exists()
+        assert not (ckpt / f"opt.__{rank}_1.distcp").exists()
         assert (ckpt / f"__{rank}_0.distcp").exists()
     assert set(dcp.load_tensors_metadata(ckpt)) == {"model.a", "model.b", "flat"}
     plain = dcp.load_plain_tensors(ckpt)
@@ -253,11 +253,11 @@ def test_remove_writes_metadata_before_deleting(
     with pytest.raises(OSError, match="injected"):
         dcp.remove_sharded_tensors(ckpt, "opt.")
     monkeypatch.undo()
-    assert events[0] == "write .metadata" and events[1].startswith("remove __"), events
+    assert events[0] == "write .metadata" and events[1].startswith("remove opt.__"), events
 
     # A crash between the two steps leaves a consistent checkpoint: the removed keys are
     # gone, the rest loads bit-exactly; only unreferenced files remain.
-    assert (ckpt / "__0_1.distcp").exists()
+    assert (ckpt / "opt.__0_1.distcp").exists()
     assert set(dcp.load_tensors_metadata(ckpt)) == {"model.a", "model.b", "flat"}
     plain = dcp.load_plain_tensors(ckpt)
     for key in ("model.a", "model.b", "flat"):

@@ -6,12 +6,15 @@
 - ShardedObjects holding ``io.BytesIO`` load under safe loading;
 - key mismatch errors and the common-state warning keep Megatron-Core's wording;
 - ``FileSystemWriterAsync.write_preloaded_data`` is the hook the writers call, and
-  a failure in it is a ``RuntimeError`` containing "Worker failure" on every rank.
+  a failure in it is a ``RuntimeError`` containing "Worker failure" on every rank;
+- ``separation_hint`` names files as Megatron-Core does, so ``remove_sharded_tensors``
+  deletes whole files.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ import dist_checkpointing as dcp
 from dist_checkpointing import ShardedObject, ShardedTensor, ShardedTensorFactory, StrictHandling
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.support.harness import run_distributed, world_sizes
 
 TIMEOUT_S = 90.0
@@ -222,3 +226,44 @@ def test_patched_write_preloaded_data_fails_every_rank_with_worker_failure(
         assert "Worker failure" in message, (rank, message)
         assert "injected: no space left" in message, (rank, message)
     assert not (tmp_path / "metadata.json").exists()  # nothing committed
+
+
+# ----------------------------------------------------------------------------- separation hint
+
+
+def _save_with_hint(ckpt: str) -> None:
+    rank = dist.get_rank()
+    sd = {
+        f"{prefix}{name}": ShardedTensor.from_rank_offsets(
+            f"{prefix}{name}", torch.full((4, 3), float(rank + i)), (0, rank, 2)
+        )
+        for i, (prefix, name) in enumerate(
+            [("model.", "w"), ("model.", "b"), ("optimizer.", "exp_avg.w"), ("optimizer.", "m")]
+        )
+    }
+    strategy = TorchDistSaveShardedStrategy(thread_count=2, separation_hint="optimizer.")
+    dcp.save(sd, ckpt, sharded_strategy=strategy, verify_integrity=True)
+
+
+def _load_model_only(ckpt: str) -> bool:
+    rank = dist.get_rank()
+    request = {
+        name: ShardedTensor.from_rank_offsets(name, torch.zeros(4, 3), (0, rank, 2))
+        for name in ("model.w", "model.b")
+    }
+    loaded = dcp.load(request, ckpt, verify_integrity=True)
+    return torch.equal(loaded["model.w"], torch.full((4, 3), float(rank)))  # type: ignore[index]
+
+
+def test_separation_hint_names_files_and_remove_deletes_them_whole(tmp_path: Path) -> None:
+    run_distributed(_save_with_hint, 2, str(tmp_path), timeout=TIMEOUT_S)
+    data_files = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    hinted = [n for n in data_files if n.startswith("optimizer.")]
+    assert hinted and all(n.startswith("optimizer.__") for n in hinted), data_files
+    manifest = json.loads((tmp_path / "integrity.json").read_text())["files"]
+    assert set(data_files) <= set(manifest)  # hinted files are digested too
+    dcp.remove_sharded_tensors(str(tmp_path), "optimizer.")
+    left = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert left == [n for n in data_files if not n.startswith("optimizer.")]
+    assert set(dcp.load_tensors_metadata(str(tmp_path))) == {"model.w", "model.b"}
+    assert run_distributed(_load_model_only, 2, str(tmp_path), timeout=TIMEOUT_S) == [True, True]

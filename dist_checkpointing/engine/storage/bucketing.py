@@ -8,6 +8,7 @@ item's data into a :class:`~.write_workers.WriteBucket` ready to be written.
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,14 +26,18 @@ def data_file_prefix(rank: int) -> str:
     return f"__{rank}_"
 
 
-def data_file_name(prefix: str, n: int) -> str:
-    """The name of data file ``n`` with ``prefix`` (see :func:`data_file_prefix`)."""
-    return f"{prefix}{n}{DATA_FILE_SUFFIX}"
+def data_file_name(prefix: str, n: int, separation_hint: str = "") -> str:
+    """The name of data file ``n`` with ``prefix`` (see :func:`data_file_prefix`);
+    files of items separated by ``separation_hint`` start with the hint, as
+    Megatron-Core names them (``optimizer.__0_2.distcp``)."""
+    return f"{separation_hint}{prefix}{n}{DATA_FILE_SUFFIX}"
 
 
 def is_data_file_of(name: str, rank: int) -> bool:
-    """Whether ``name`` is a data file written by group rank ``rank``."""
-    return name.startswith(data_file_prefix(rank)) and name.endswith(DATA_FILE_SUFFIX)
+    """Whether ``name`` is a data file written by group rank ``rank`` (with or
+    without a separation-hint prefix)."""
+    pattern = rf".*{re.escape(data_file_prefix(rank))}\d+{re.escape(DATA_FILE_SUFFIX)}"
+    return re.fullmatch(pattern, name, flags=re.DOTALL) is not None
 
 
 def item_size(item: WriteItem) -> int:
@@ -119,7 +124,8 @@ def build_buckets(
     """
     buckets = []
     for n, group in enumerate(plan_buckets(items, thread_count, separation_hint)):
-        name = data_file_name(prefix, n)
+        hinted = separation_hint is not None and group[0].index.fqn.startswith(separation_hint)
+        name = data_file_name(prefix, n, separation_hint if hinted and separation_hint else "")
         bucket = WriteBucket(path_of(name), name)
         for item in group:
             data = resolve(item)
