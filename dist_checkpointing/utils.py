@@ -1,20 +1,23 @@
 """Helpers for sharded state dicts (Megatron-Core's ``dist_checkpointing.utils`` path).
 
-Splitting a state dict by leaf kind: the persistent sharded leaves, the
-non-persistent ones, and the common (non-sharded) rest.
+Splitting a state dict by leaf kind (ShardedTensors, factories, other sharded
+leaves, non-persistent values, the common rest) and renaming the keys of its
+sharded leaves.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .dict_utils import extract_matching_values
+from .dict_utils import dict_list_map_inplace, extract_matching_values
+from .errors import MappingError
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
+    ShardedTensorFactory,
     StateDict,
 )
 
@@ -32,6 +35,34 @@ def _sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
 def _sharded_object_id(sharded_object: ShardedObject) -> _ShardId:
     """The id of a ShardedObject's shard (its unique key)."""
     return (sharded_object.unique_key,)
+
+
+def extract_sharded_tensors(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
+    """``(sharded tensors, rest)``: the ShardedTensor leaves and every other leaf."""
+    return extract_matching_values(  # type: ignore[return-value]
+        sharded_state_dict, lambda v: isinstance(v, ShardedTensor)
+    )
+
+
+def extract_sharded_tensors_and_factories(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
+    """``(tensors and factories, rest)``: ShardedTensor and ShardedTensorFactory leaves."""
+    return extract_matching_values(  # type: ignore[return-value]
+        sharded_state_dict, lambda v: isinstance(v, ShardedTensor | ShardedTensorFactory)
+    )
+
+
+def extract_sharded_tensors_or_nonpersistent(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
+    """``(tensors, factories and non-persistent values, rest)``."""
+    return extract_matching_values(  # type: ignore[return-value]
+        sharded_state_dict,
+        lambda v: isinstance(v, ShardedTensor | ShardedTensorFactory | LocalNonpersistentObject),
+    )
 
 
 def extract_sharded_base(
@@ -52,4 +83,58 @@ def extract_nonpersistent(
     )
 
 
-__all__ = ["extract_nonpersistent", "extract_sharded_base"]
+def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
+    """Prepend ``prefix`` to the key of every sharded leaf (in place)."""
+
+    def rename(x: Any) -> Any:
+        if isinstance(x, ShardedBase):
+            x.key = f"{prefix}{x.key}"
+        return x
+
+    dict_list_map_inplace(rename, sharded_state_dict)
+
+
+def replace_prefix_for_sharding(
+    sharded_state_dict: ShardedStateDict, old_prefix: str, new_prefix: str
+) -> None:
+    """Replace ``old_prefix`` by ``new_prefix`` in the key of every sharded leaf (in place).
+
+    Raises:
+        MappingError: a leaf's key does not start with ``old_prefix`` (naming it).
+    """
+
+    def rename(x: Any) -> Any:
+        if isinstance(x, ShardedBase):
+            if not x.key.startswith(old_prefix):
+                raise MappingError(f"key {x.key!r} does not start with the prefix {old_prefix!r}")
+            x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
+        return x
+
+    dict_list_map_inplace(rename, sharded_state_dict)
+
+
+def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[str, str]) -> None:
+    """Rename sharded leaves by the first matching prefix of ``prefix_map`` (old -> new;
+    keys matching none are kept), in place."""
+
+    def rename(x: Any) -> Any:
+        if isinstance(x, ShardedBase):
+            for old_prefix, new_prefix in prefix_map.items():
+                if x.key.startswith(old_prefix):
+                    x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
+                    break
+        return x
+
+    dict_list_map_inplace(rename, sharded_state_dict)
+
+
+__all__ = [
+    "add_prefix_for_sharding",
+    "apply_prefix_mapping",
+    "extract_nonpersistent",
+    "extract_sharded_base",
+    "extract_sharded_tensors",
+    "extract_sharded_tensors_and_factories",
+    "extract_sharded_tensors_or_nonpersistent",
+    "replace_prefix_for_sharding",
+]

@@ -217,6 +217,7 @@ def test_no_print_in_the_library() -> None:
         "strategies.state_dict_saver",
         "strategies.fully_parallel",
         "exchange_utils",
+        "optimizer",
     ],
 )
 def test_megatron_module_paths_exist(module: str) -> None:
