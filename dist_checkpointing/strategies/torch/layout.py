@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from ...mapping import ShardedTensor
 
 # Key of Metadata.mcore_data entries that record a reformulated tensor's logical shape.
@@ -44,11 +42,6 @@ def block_shape(sh: ShardedTensor) -> tuple[int, ...]:
     return (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
 
 
-def is_nd_flattened(sh: ShardedTensor) -> bool:
-    """Whether the tensor is stored in the N-D reformulated form."""
-    return sh.flattened_range is not None
-
-
 def reformulated_global_shape(
     global_shape: tuple[int, ...], block: tuple[int, ...]
 ) -> tuple[int, ...]:
@@ -68,22 +61,6 @@ def stored_chunk(sh: ShardedTensor) -> StoredChunk:
         grid + (fr.start,),
         (1,) * len(block) + (fr.stop - fr.start,),
     )
-
-
-def stored_view(sh: ShardedTensor, data: torch.Tensor) -> torch.Tensor:
-    """``data`` (the local tensor) reshaped to its stored chunk's sizes (a view if possible)."""
-    return data.reshape(stored_chunk(sh).sizes)
-
-
-def logical_box(sh: ShardedTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(offsets, sizes)`` of the smallest box of the logical global tensor that holds
-    ``sh``'s data (for a flat range: the rows of the block that the range touches)."""
-    block = block_shape(sh)
-    offsets = tuple(sh.global_offset)
-    if sh.flattened_range is None or not block:
-        return offsets, block
-    first_row, last_row = flat_range_rows(block, sh.flattened_range)
-    return (offsets[0] + first_row,) + offsets[1:], (last_row - first_row,) + block[1:]
 
 
 def flat_range_rows(block: tuple[int, ...], fr: slice) -> tuple[int, int]:
