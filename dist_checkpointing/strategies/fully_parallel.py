@@ -102,7 +102,34 @@ class _CachedDistribution:
         return self.distribution
 
 
-class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
+class _Wrapper:
+    """What both wrappers share: the wrapped strategy, its process group, the cache."""
+
+    base_strategy: Any
+    _cache: _CachedDistribution
+
+    @property
+    def cached_distribution(self) -> ShardDistribution | None:
+        """The assignment the next call reuses (with ``do_cache_distribution``)."""
+        return self._cache.distribution
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The ranks that save or load together (the wrapped strategy's)."""
+        return getattr(self.base_strategy, "process_group", None)
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        self.base_strategy = copy.copy(self.base_strategy)
+        self.base_strategy.process_group = group
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        handles: bool = self.base_strategy.can_handle_sharded_objects
+        return handles
+
+
+class FullyParallelSaveStrategyWrapper(_Wrapper, AsyncSaveShardedStrategy):
     """Writes each shard replicated in ``parallelization_group`` once, on the rank a
     size-balanced assignment picks, through ``strategy``.
 
@@ -111,6 +138,8 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         parallelization_group: the ranks that share the writes (default: the world).
         do_cache_distribution: reuse the assignment while the shards stay the same.
     """
+
+    base_strategy: SaveShardedStrategy
 
     def __init__(
         self,
@@ -124,25 +153,6 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.do_cache_distribution = do_cache_distribution
         self.commit_files = strategy.commit_files
         self._cache = _CachedDistribution(do_cache_distribution)
-
-    @property
-    def cached_distribution(self) -> ShardDistribution | None:
-        """The assignment the next save reuses (with ``do_cache_distribution``)."""
-        return self._cache.distribution
-
-    @property
-    def process_group(self) -> dist.ProcessGroup | None:
-        """The ranks that save together (the wrapped strategy's)."""
-        return getattr(self.base_strategy, "process_group", None)
-
-    @process_group.setter
-    def process_group(self, group: dist.ProcessGroup | None) -> None:
-        self.base_strategy = copy.copy(self.base_strategy)
-        self.base_strategy.process_group = group  # type: ignore[attr-defined]
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return self.base_strategy.can_handle_sharded_objects
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
         """Rewrite ``replica_id`` of the (copied) leaves so that exactly the assigned
@@ -183,7 +193,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         return self.base_strategy.owns_file(name)
 
 
-class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
+class FullyParallelLoadStrategyWrapper(_Wrapper, LoadShardedStrategy):
     """Reads each shard needed by several ranks of ``parallelization_group`` once,
     then exchanges it within the group.
 
@@ -193,6 +203,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         do_cache_distribution: reuse the assignment while the request stays the same.
         exchange_algo: ``"broadcast"`` (default), ``"gather_object"`` or ``"gather_rounds"``.
     """
+
+    base_strategy: LoadShardedStrategy
 
     def __init__(
         self,
@@ -206,24 +218,6 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         self.do_cache_distribution = do_cache_distribution
         self.exchange_algo = exchange_algo
         self._cache = _CachedDistribution(do_cache_distribution)
-
-    @property
-    def cached_distribution(self) -> ShardDistribution | None:
-        """The assignment the next load reuses (with ``do_cache_distribution``)."""
-        return self._cache.distribution
-
-    @property
-    def process_group(self) -> dist.ProcessGroup | None:
-        return getattr(self.base_strategy, "process_group", None)
-
-    @process_group.setter
-    def process_group(self, group: dist.ProcessGroup | None) -> None:
-        self.base_strategy = copy.copy(self.base_strategy)
-        self.base_strategy.process_group = group  # type: ignore[attr-defined]
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return self.base_strategy.can_handle_sharded_objects
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         self.base_strategy.check_backend_compatibility(loaded_backend)
