@@ -10,7 +10,8 @@ from __future__ import annotations
 import io
 import pickle
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 import torch
@@ -84,20 +85,27 @@ def _unsafe_load_error(message: str, source: str) -> UnsafeCheckpointError | Non
 ALWAYS_ALLOWED_TYPES: tuple[type, ...] = (io.BytesIO,)
 
 
-def _new_safe_globals(
-    allowed_types: Sequence[type],
-) -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
-    """The ``allowed_types`` that torch does not already allow.
-
-    Leaving out those the user registered keeps ``safe_globals.__exit__`` from
-    removing them again.
-    """
+@contextmanager
+def _allowing(allowed_types: Sequence[type]) -> Iterator[None]:
+    """Add ``allowed_types`` (and :data:`ALWAYS_ALLOWED_TYPES`) to torch's weights_only
+    allowlist for the block, then restore the list exactly as it was (in order)."""
     for allowed in allowed_types:
         if not isinstance(allowed, type):
             raise TypeError(f"allowed_types must hold classes, found {allowed!r}")
-    registered = torch.serialization.get_safe_globals()
-    wanted = dict.fromkeys((*ALWAYS_ALLOWED_TYPES, *allowed_types))
-    return [t for t in wanted if t not in registered]
+    before = torch.serialization.get_safe_globals()
+    candidates = dict.fromkeys((*ALWAYS_ALLOWED_TYPES, *allowed_types))
+    wanted: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+        t for t in candidates if t not in before
+    ]
+    if not wanted:
+        yield
+        return
+    torch.serialization.add_safe_globals(wanted)
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
 
 
 def safe_torch_load(
@@ -110,8 +118,9 @@ def safe_torch_load(
     """Load a ``torch.save`` payload (``common.pt``, ShardedObject bytes) onto the CPU.
 
     1. Unless ``trusted``, load with ``weights_only=True``: tensors, containers,
-       primitives and ``io.BytesIO`` only, plus the classes in ``allowed_types`` for this call (torch's
-       ``safe_globals`` context; note that torch keeps that list process-wide while
+       primitives and ``io.BytesIO`` only, plus the classes in ``allowed_types`` for
+       this call (added to torch's allowlist, which is restored exactly afterwards;
+       note that torch keeps that list process-wide while
        the call runs).
     2. With ``trusted=True``, load with plain pickle: only for files you wrote.
 
@@ -125,7 +134,7 @@ def safe_torch_load(
     )
     if trusted:
         return _torch_load(stream, source, weights_only=False)
-    with torch.serialization.safe_globals(_new_safe_globals(allowed_types)):
+    with _allowing(allowed_types):
         return _torch_load(stream, source, weights_only=True)
 
 
