@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .core import CheckpointingConfig, config_bytes, maybe_load_config
+from .core import CheckpointingConfig, config_bytes
 from .dict_utils import extract_matching_values, merge, nested_values
 from .engine.checkpoint import commit, integrity
 from .engine.collectives import ProcessGroup, RankGroup
@@ -28,8 +28,6 @@ from .engine.process import gc_paused
 from .engine.storage.location import CheckpointDir
 from .errors import (
     CheckpointingException,
-    CheckpointNotFoundError,
-    IncompleteCheckpointError,
     UnsupportedFeatureError,
 )
 from .mapping import (
@@ -51,7 +49,6 @@ from .strategies.base import (
     bind_process_group,
     expect_strategy,
     get_default_strategy,
-    registered_strategies,
     resolve_strategy,
 )
 from .validation import (
@@ -60,6 +57,7 @@ from .validation import (
     local_metadata_of,
     parse_strict_flag,
     validate_integrity_and_strict_load,
+    verify_checkpoint_and_load_strategy,
 )
 
 logger = logging.getLogger(__name__)
@@ -107,65 +105,6 @@ def get_default_load_sharded_strategy(
 ) -> LoadShardedStrategy:
     """The sharded load strategy for the checkpoint in ``checkpoint_dir``."""
     return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
-
-
-def _holds_checkpoint_files(names: list[str]) -> bool:
-    """Whether any of ``names`` is a file some registered format (or the integrity
-    manifest) writes: the sign of a save that never finished."""
-    save_strategies = [
-        s for (action, _, _), s in registered_strategies().items() if action.startswith("save")
-    ]
-    return any(
-        n == integrity.INTEGRITY_FNAME or any(s.owns_file(n) for s in save_strategies)
-        for n in names
-    )
-
-
-def _require_config(ckpt: CheckpointDir) -> CheckpointingConfig:
-    ckpt.require_dir()
-    config = maybe_load_config(ckpt)
-    if config is not None:
-        return config
-    if _holds_checkpoint_files(ckpt.listdir()):
-        raise IncompleteCheckpointError(
-            f"{ckpt} holds an incomplete checkpoint: {commit.COMMIT_MARKER} is missing, so "
-            "its save never finished (or is still being finalized)"
-        )
-    raise CheckpointNotFoundError(
-        f"{ckpt} is not a distributed checkpoint (no {commit.COMMIT_MARKER})"
-    )
-
-
-def verify_checkpoint_and_load_strategy(
-    checkpoint_dir: str | os.PathLike[str],
-    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
-    common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
-) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
-    """Check ``checkpoint_dir`` is a complete checkpoint and pick compatible strategies.
-
-    Raises:
-        CheckpointNotFoundError: no directory, or no checkpoint in it.
-        IncompleteCheckpointError: a save that never finished.
-        StrategyNotFoundError / IncompatibleStrategyError: no strategy fits.
-    """
-    config = _require_config(CheckpointDir.of(checkpoint_dir))
-    sharded = resolve_strategy(
-        sharded_strategy,
-        (config.sharded_backend, config.sharded_backend_version),
-        StrategyAction.LOAD_SHARDED,
-    )
-    common = resolve_strategy(
-        common_strategy,
-        (config.common_backend, config.common_backend_version),
-        StrategyAction.LOAD_COMMON,
-    )
-    sharded = expect_strategy(sharded, LoadShardedStrategy)
-    common = expect_strategy(common, LoadCommonStrategy)
-    sharded.check_backend_compatibility(config.sharded_backend)
-    sharded.check_version_compatibility(config.sharded_backend_version)
-    common.check_backend_compatibility(config.common_backend)
-    common.check_version_compatibility(config.common_backend_version)
-    return sharded, common
 
 
 def _save_strategies(

@@ -10,12 +10,15 @@ wrappers gather that metadata and make every rank raise the same error.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from enum import Enum
 
 import torch.distributed as dist
 
+from .core import CheckpointingConfig, maybe_load_config
 from .dict_utils import diff, extract_matching_values, nested_values
+from .engine.checkpoint import commit, integrity
 from .engine.collectives import RankGroup, describe_error
 from .engine.sharding_check import (
     GlobalMetadata,
@@ -23,8 +26,24 @@ from .engine.sharding_check import (
     shard_record,
     sharding_integrity_problems,
 )
-from .errors import CheckpointingException, InvalidArgumentError, KeyMismatchError, ShardingError
+from .engine.storage.location import CheckpointDir
+from .errors import (
+    CheckpointingException,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    InvalidArgumentError,
+    KeyMismatchError,
+    ShardingError,
+)
 from .mapping import CommonStateDict, ShardedBase, ShardedStateDict
+from .strategies.base import (
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    expect_strategy,
+    registered_strategies,
+    resolve_strategy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -316,3 +335,65 @@ def validate_integrity_and_strict_load(
             )
         validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
     return sharded_state_dict, missing, unexpected
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+def _holds_checkpoint_files(names: list[str]) -> bool:
+    """Whether any of ``names`` is a file some registered format (or the integrity
+    manifest) writes: the sign of a save that never finished."""
+    save_strategies = [
+        s for (action, _, _), s in registered_strategies().items() if action.startswith("save")
+    ]
+    return any(
+        n == integrity.INTEGRITY_FNAME or any(s.owns_file(n) for s in save_strategies)
+        for n in names
+    )
+
+
+def _require_config(ckpt: CheckpointDir) -> CheckpointingConfig:
+    ckpt.require_dir()
+    config = maybe_load_config(ckpt)
+    if config is not None:
+        return config
+    if _holds_checkpoint_files(ckpt.listdir()):
+        raise IncompleteCheckpointError(
+            f"{ckpt} holds an incomplete checkpoint: {commit.COMMIT_MARKER} is missing, so "
+            "its save never finished (or is still being finalized)"
+        )
+    raise CheckpointNotFoundError(
+        f"{ckpt} is not a distributed checkpoint (no {commit.COMMIT_MARKER})"
+    )
+
+
+def verify_checkpoint_and_load_strategy(
+    checkpoint_dir: str | os.PathLike[str],
+    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
+) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
+    """Check ``checkpoint_dir`` is a complete checkpoint and pick compatible strategies.
+
+    Raises:
+        CheckpointNotFoundError: no directory, or no checkpoint in it.
+        IncompleteCheckpointError: a save that never finished.
+        StrategyNotFoundError / IncompatibleStrategyError: no strategy fits.
+    """
+    config = _require_config(CheckpointDir.of(checkpoint_dir))
+    sharded = resolve_strategy(
+        sharded_strategy,
+        (config.sharded_backend, config.sharded_backend_version),
+        StrategyAction.LOAD_SHARDED,
+    )
+    common = resolve_strategy(
+        common_strategy,
+        (config.common_backend, config.common_backend_version),
+        StrategyAction.LOAD_COMMON,
+    )
+    sharded = expect_strategy(sharded, LoadShardedStrategy)
+    common = expect_strategy(common, LoadCommonStrategy)
+    sharded.check_backend_compatibility(config.sharded_backend)
+    sharded.check_version_compatibility(config.sharded_backend_version)
+    common.check_backend_compatibility(config.common_backend)
+    common.check_version_compatibility(config.common_backend_version)
+    return sharded, common
