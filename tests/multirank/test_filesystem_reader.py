@@ -364,10 +364,8 @@ def test_fast_path_casts_to_the_destination_dtype(
     torch.testing.assert_close(target, tensors["w"][4:8].double(), rtol=0, atol=0, equal_nan=True)
 
 
-def test_fast_path_reads_only_the_needed_bytes(
-    saved: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    ckpt, tensors = saved
+def _count_file_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of every ``readinto`` on checkpoint files, from now on (appended to)."""
     counted: list[int] = []
 
     class Counting(io.FileIO):
@@ -377,6 +375,14 @@ def test_fast_path_reads_only_the_needed_bytes(
             return n
 
     monkeypatch.setattr(fs_io.LocalFileSystem, "open_read", lambda self, p: Counting(p, "r"))
+    return counted
+
+
+def test_fast_path_reads_only_the_needed_bytes(
+    saved: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt, tensors = saved
+    counted = _count_file_reads(monkeypatch)
     monkeypatch.setattr(fr, "_copy_region_torch_load", _no_fallback)
     target = torch.zeros(2, 1024)
     _read(ckpt, [("dst", "large", (100, 0), (2, 1024), target)])
@@ -535,15 +541,7 @@ def _count_reads_of_small_items(
     """Save 20 small tensors into one file, read them all back; count the reads."""
     tensors = {f"t{i}": _sample((64,), torch.float32, seed=i) for i in range(20)}
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
-    counted: list[int] = []
-
-    class Counting(io.FileIO):
-        def readinto(self, buf: Any) -> int:  # type: ignore[override]
-            n = super().readinto(buf) or 0
-            counted.append(n)
-            return n
-
-    monkeypatch.setattr(fs_io.LocalFileSystem, "open_read", lambda self, p: Counting(p, "r"))
+    counted = _count_file_reads(monkeypatch)
     monkeypatch.setenv("DIST_CKPT_READ_SMALL_ITEM_BYTES", small_item_bytes)
     targets = {k: torch.zeros(64) for k in tensors}
     _read(tmp_path, [(k, k, (0,), (64,), targets[k]) for k in tensors])
