@@ -16,6 +16,9 @@ DEV_REQUIRES = [
     "mypy>=1.10",
 ]
 DOCS_REQUIRES = ["sphinx>=7"]
+# Local checkpoints (tensor_aware_state_dict) with nvidia-resiliency-ext's checkpoint managers.
+# pynvml 13 (a dependency of it) warns on every `import torch`; 12 is the same API, silent.
+NVRX_REQUIRES = ["nvidia-resiliency-ext>=0.4", "pynvml<13"]
 
 setup(
     name="dist_checkpointing",
@@ -38,6 +41,7 @@ setup(
         "docs": DOCS_REQUIRES,
         "cli": ["tqdm"],
         "msc": ["multi-storage-client"],
+        "nvrx": NVRX_REQUIRES,
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -93,6 +93,11 @@ class UnsupportedFeatureError(CheckpointingException, NotImplementedError):
     """The caller asked for a feature this library deliberately does not provide."""
 
 
+class MissingDependencyError(UnsupportedFeatureError, ImportError):
+    """A feature needs an optional package that is not installed; the message says
+    what to install."""
+
+
 __all__ = [
     "CheckpointingException",
     "ShardingError",
@@ -109,4 +114,5 @@ __all__ = [
     "RankFailureError",
     "InvalidArgumentError",
     "UnsupportedFeatureError",
+    "MissingDependencyError",
 ]

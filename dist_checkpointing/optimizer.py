@@ -39,6 +39,12 @@ from .utils import extract_sharded_tensors_and_factories
 
 logger = logging.getLogger(__name__)
 
+KEEP_VARS_HINT = (
+    " Make sure state dict contains original torch.nn.Parameters (not pure torch.Tensors)"
+    " by passing `keep_vars=True` to `.state_dict()`. If any transformation of the original"
+    " parameter is needed, use a ShardedTensorFactory."
+)
+
 ShardedParam = ShardedTensor | ShardedTensorFactory
 
 
@@ -74,8 +80,9 @@ def get_param_id_to_sharded_param_map(
             logger.debug("%s is not tracked by the optimizer", leaf)
     if not mapping:
         logger.warning(
-            "No model ShardedTensor wraps a parameter of the optimizer: build the model's "
-            "sharded state dict from the parameters themselves (state_dict(keep_vars=True))"
+            "Sharded parameters mapping is empty. It means tensors in model state dict do not "
+            "correspond to tensors in optimizer parameters map.%s",
+            KEEP_VARS_HINT,
         )
     return mapping
 
@@ -102,6 +109,19 @@ def make_sharded_optimizer_tensor(
     return dataclasses.replace(model_param, key=key, data=optim_param, dtype=optim_param.dtype)
 
 
+def _sharded_state_entry(
+    model_param: ShardedParam, param_id: int, kind: str, value: object
+) -> ShardedParam:
+    """One optimizer state tensor with its parameter's sharding (scalars are refused)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        raise MappingError(
+            f"optimizer state {kind!r} of param id {param_id} ('{model_param.key}') is a "
+            "scalar, not a tensor shaped like its parameter; exclude it with "
+            f"exclude_keys=({kind!r},) and keep it in the common state"
+        )
+    return make_sharded_optimizer_tensor(model_param, value, f"optimizer.state.{kind}")
+
+
 def optim_state_to_sharding_state(
     optim_state_dict: StateDict,
     id_to_sharded_param_map: dict[int, ShardedParam],
@@ -116,18 +136,25 @@ def optim_state_to_sharding_state(
     hyperparameters are saved as common state).
 
     Raises:
-        MappingError: a parameter id of the optimizer has no sharded parameter.
+        MappingError: a parameter id of the optimizer has no sharded parameter, or
+            a state entry is a scalar (naming the id, the kind and the parameter key).
     """
     excluded = (exclude_keys,) if isinstance(exclude_keys, str) else tuple(exclude_keys)
     sharded_state: dict[int, dict[str, ShardedParam]] = {}
     for param_id, param_state in optim_state_dict["state"].items():
-        if param_id not in id_to_sharded_param_map:
-            raise MappingError(f"optimizer param id {param_id} matches no model sharded param")
-        model_param = id_to_sharded_param_map[param_id]
+        kinds = {k: v for k, v in param_state.items() if k not in excluded}
+        model_param = id_to_sharded_param_map.get(param_id)
+        if model_param is None:
+            if kinds:
+                raise MappingError(
+                    f"Param id {param_id} does not match any model sharded param (optimizer "
+                    f"state {sorted(kinds)}).{KEEP_VARS_HINT}"
+                )
+            sharded_state[param_id] = {}
+            continue
         sharded_state[param_id] = {
-            kind: make_sharded_optimizer_tensor(model_param, value, f"optimizer.state.{kind}")
-            for kind, value in param_state.items()
-            if kind not in excluded
+            kind: _sharded_state_entry(model_param, param_id, kind, value)
+            for kind, value in kinds.items()
         }
     optim_state_dict["param_groups"] = copy.deepcopy(optim_state_dict["param_groups"])
     for group in optim_state_dict["param_groups"]:
@@ -136,6 +163,7 @@ def optim_state_to_sharding_state(
 
 
 __all__ = [
+    "KEEP_VARS_HINT",
     "get_optim_param_to_id_map",
     "get_param_id_to_sharded_param_map",
     "make_sharded_optimizer_tensor",

@@ -170,7 +170,7 @@ def test_optimizer_tensor_takes_the_parameter_sharding() -> None:
 
 
 def test_state_of_an_unknown_parameter_is_refused() -> None:
-    with pytest.raises(MappingError, match="param id 7"):
+    with pytest.raises(MappingError, match="Param id 7 does not match any model sharded param"):
         optim_state_to_sharding_state(
             {"state": {7: {"exp_avg": torch.zeros(1)}}, "param_groups": []}, {}
         )

@@ -220,6 +220,7 @@ def test_no_print_in_the_library() -> None:
         "optimizer",
         "strategies.resharding",
         "strategies.cached_metadata_filesystem_reader",
+        "tensor_aware_state_dict",
     ],
 )
 def test_megatron_module_paths_exist(module: str) -> None:
