@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from ._debug import debug_msg, debug_time, logger_stack, zip_strict
 from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .errors import MappingError
 from .mapping import (
@@ -128,8 +131,30 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[
     dict_list_map_inplace(rename, sharded_state_dict)
 
 
+def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
+    """Replace quantized tensor subclasses (Transformer Engine's FP8 tensors) in the
+    ShardedTensors' data by their dequantized values, in place. Plain tensors, float8
+    dtypes included, are stored as they are and left alone."""
+
+    def to_plain(x: Any) -> Any:
+        data = getattr(x, "data", None) if isinstance(x, ShardedTensor) else None
+        if isinstance(data, torch.Tensor) and type(data) is not torch.Tensor:
+            for method in ("from_float8", "dequantize"):
+                if callable(getattr(data, method, None)):
+                    x.data = getattr(data, method)()
+                    break
+        return x
+
+    dict_list_map_inplace(to_plain, sharded_state_dict)
+
+
 __all__ = [
     "add_prefix_for_sharding",
+    "debug_msg",
+    "debug_time",
+    "force_all_tensors_to_non_fp8",
+    "logger_stack",
+    "zip_strict",
     "apply_prefix_mapping",
     "extract_nonpersistent",
     "extract_sharded_base",

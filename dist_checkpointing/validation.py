@@ -39,6 +39,8 @@ from .mapping import CommonStateDict, ShardedBase, ShardedStateDict
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
     StrategyAction,
     expect_strategy,
     registered_strategies,
@@ -255,6 +257,35 @@ def validate_sharding_integrity_from_problems(problems: Sequence[str]) -> None:
         raise ShardingError(
             f"Invalid sharding ({len(problems)} problem(s)); every global tensor must be "
             "covered exactly once by main replicas (replica_id 0):\n  " + "\n  ".join(problems)
+        )
+
+
+def adjust_non_strict_load(
+    sharded_state_dict: ShardedStateDict, sharded_keys_to_remove: set[str]
+) -> ShardedStateDict:
+    """The request without the leaves whose key is in ``sharded_keys_to_remove``
+    (Megatron-Core's name for :func:`drop_keys`)."""
+    return drop_keys(sharded_state_dict, sharded_keys_to_remove)
+
+
+def maybe_report_missing_and_unexpected_keys(
+    missing_keys: set[str], unexpected_keys: set[str], raise_error: bool = True
+) -> None:
+    """Megatron-Core's name for :func:`report_missing_and_unexpected_keys`."""
+    report_missing_and_unexpected_keys(missing_keys, unexpected_keys, raise_error)
+
+
+def validate_sharded_objects_handling(
+    sharded_strategy: SaveShardedStrategy | LoadShardedStrategy,
+    common_strategy: SaveCommonStrategy | LoadCommonStrategy,
+) -> None:
+    """Raise unless one of the two strategies saves/loads ShardedObjects."""
+    if not (
+        sharded_strategy.can_handle_sharded_objects or common_strategy.can_handle_sharded_objects
+    ):
+        raise CheckpointingException(
+            f"Either sharded strategy or common strategy must implement ShardedObjects handling. "
+            f"Both {sharded_strategy} and {common_strategy} specify can_handle_sharded_objects=False"
         )
 
 

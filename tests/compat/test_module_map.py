@@ -43,6 +43,10 @@ MEGATRON_NAMES: dict[str, dict[str, tuple[str, ...] | None]] = {
                                                 "common_strategy"),
         "validate_sharding_integrity": ("global_metadata",),
         "determine_global_metadata": ("sharded_state_dict",),
+        "adjust_non_strict_load": ("sharded_state_dict", "sharded_keys_to_remove"),
+        "maybe_report_missing_and_unexpected_keys": ("missing_keys", "unexpected_keys",
+                                                     "raise_error"),
+        "validate_sharded_objects_handling": ("sharded_strategy", "common_strategy"),
     },
     "state_dict_utils": {
         "save_preprocess": ("sharded_state_dict", "validate_access_integrity",
@@ -65,6 +69,11 @@ MEGATRON_NAMES: dict[str, dict[str, tuple[str, ...] | None]] = {
         "apply_prefix_mapping": ("sharded_state_dict", "prefix_map"),
         "_sharded_tensor_shard_id": ("sharded_tensor",),
         "_sharded_object_id": ("sharded_object",),
+        "zip_strict": (),
+        "logger_stack": ("name", "current_logger"),
+        "debug_time": ("name", "logger", "threshold", "level"),
+        "debug_msg": ("msg",),
+        "force_all_tensors_to_non_fp8": ("sharded_state_dict",),
     },
     "exchange_utils": {
         "ShardDistribution": None,
