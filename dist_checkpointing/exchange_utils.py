@@ -12,8 +12,9 @@ fully parallel strategies (:mod:`.strategies.fully_parallel`):
    ranks that need it (:func:`exchange_by_distribution`: ``broadcast``,
    ``gather_object`` or ``gather_rounds``).
 
-Collectives run on the group's device (CUDA for NCCL, CPU for gloo); loaded
-tensors go back to the device they were loaded on.
+Collectives run on the group's device (CUDA for NCCL, CPU for gloo) and move
+each tensor as its bytes, so every dtype travels (gloo refuses FP8 tensors);
+exchanged tensors arrive on the CPU.
 """
 
 from __future__ import annotations
@@ -144,28 +145,40 @@ def _exchanged(distribution: ShardDistribution) -> list[tuple[_ShardId, int]]:
     )
 
 
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor. Collectives move bytes, so every dtype
+    travels (gloo refuses FP8, for one)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return (
+        flat.view(torch.uint8)
+        if flat.numel()
+        else torch.empty(0, dtype=torch.uint8, device=flat.device)
+    )
+
+
+def _shard_shape(sh: ShardedTensor) -> tuple[int, ...]:
+    if sh.flattened_range is not None:
+        return (sh.flattened_range.stop - sh.flattened_range.start,)
+    return tuple(sh.local_shape)
+
+
+def _from_bytes(data: torch.Tensor, sh: ShardedTensor) -> torch.Tensor:
+    """The shard described by ``sh`` from its bytes (on the CPU)."""
+    data = data.cpu()
+    if data.numel() == 0:
+        return torch.empty(_shard_shape(sh), dtype=sh.dtype)
+    return data.view(sh.dtype).reshape(_shard_shape(sh))
+
+
 def _receive_buffer(
     shard_id: _ShardId,
     unloaded_shards: dict[_ShardId, ShardedTensor],
     distribution: ShardDistribution,
     device: torch.device,
-) -> torch.Tensor:
-    """An empty tensor on ``device`` shaped like the shard."""
+) -> tuple[torch.Tensor, ShardedTensor]:
+    """An empty byte buffer on ``device`` for the shard, and the shard's description."""
     sh = unloaded_shards.get(shard_id) or distribution.shard_to_metadata[shard_id]
-    if sh.flattened_range is not None:
-        numel = sh.flattened_range.stop - sh.flattened_range.start
-        return torch.empty(numel, dtype=sh.dtype, device=device)
-    return torch.empty(sh.local_shape, dtype=sh.dtype, device=device)
-
-
-def _keep_if_needed(
-    result: dict[_ShardId, torch.Tensor],
-    shard_id: _ShardId,
-    tensor: torch.Tensor,
-    unloaded_shards: dict[_ShardId, ShardedTensor],
-) -> None:
-    if shard_id in unloaded_shards:
-        result[shard_id] = tensor.cpu() if tensor.device.type != "cpu" else tensor
+    return torch.empty(_shard_size(sh), dtype=torch.uint8, device=device), sh
 
 
 @torch.no_grad()
@@ -183,12 +196,13 @@ def exchange_loaded_tensors_broadcast(
     result = dict(loaded_tensors)
     for shard_id, owner in _exchanged(shard_distribution):
         if owner == group.rank:
-            tensor = loaded_tensors[shard_id].to(group.device)
+            data = _as_bytes(loaded_tensors[shard_id]).to(group.device)
+            sh = None
         else:
-            tensor = _receive_buffer(shard_id, unloaded_shards, shard_distribution, group.device)
-        dist.broadcast(tensor, src=group.global_rank(owner), group=parallelization_group)
-        if owner != group.rank:
-            _keep_if_needed(result, shard_id, tensor, unloaded_shards)
+            data, sh = _receive_buffer(shard_id, unloaded_shards, shard_distribution, group.device)
+        dist.broadcast(data, src=group.global_rank(owner), group=parallelization_group)
+        if sh is not None and shard_id in unloaded_shards:
+            result[shard_id] = _from_bytes(data, sh)
     return result
 
 
@@ -201,8 +215,9 @@ def exchange_loaded_tensors_gather_object(
     """Every rank's loaded tensors to every rank in one ``all_gather_object`` (simple,
     memory hungry: meant for debugging and small states)."""
     group = RankGroup(parallelization_group)
-    shared = {k: v.cpu() for k, v in loaded_tensors.items()}
-    everything: dict[_ShardId, torch.Tensor] = {}
+    # Bytes, not tensors: some dtypes (FP8) do not pickle through the object collectives.
+    shared = {k: bytes(_as_bytes(v).cpu().numpy()) for k, v in loaded_tensors.items()}
+    everything: dict[_ShardId, bytes] = {}
     for rank_tensors in group.all_gather(shared):
         duplicates = set(everything) & set(rank_tensors)
         if duplicates:
@@ -211,9 +226,10 @@ def exchange_loaded_tensors_gather_object(
             )
         everything.update(rank_tensors)
     result = dict(loaded_tensors)
-    for shard_id in unloaded_shards:
+    for shard_id, sh in unloaded_shards.items():
         if shard_id in everything:
-            result[shard_id] = everything[shard_id]
+            raw = torch.frombuffer(bytearray(everything[shard_id]), dtype=torch.uint8)
+            result[shard_id] = _from_bytes(raw, sh)
     return result
 
 
@@ -243,50 +259,44 @@ def exchange_loaded_tensors_gather_rounds(
     shard_distribution: ShardDistribution | None = None,
     parallelization_group: ProcessGroup = None,
 ) -> dict[_ShardId, torch.Tensor]:
-    """Exchange in rounds of ``all_gather``: per dtype, in round ``i`` every rank
-    contributes its ``i``-th shard (flattened, padded to the round's largest)."""
+    """Exchange in rounds of ``all_gather``: in round ``i`` every rank contributes the
+    bytes of its ``i``-th shard (padded to the round's largest)."""
     if shard_distribution is None:
         raise InvalidArgumentError("exchange_loaded_tensors_gather_rounds needs a distribution")
     group = RankGroup(parallelization_group)
     result = dict(loaded_tensors)
     metadata = shard_distribution.shard_to_metadata
-    exchanged = _exchanged(shard_distribution)
-    for dtype in sorted({metadata[s].dtype for s, _ in exchanged}, key=str):
-        by_rank: list[list[_ShardId]] = [[] for _ in range(group.world)]
-        for shard_id, owner in exchanged:
-            if metadata[shard_id].dtype == dtype:
-                by_rank[owner].append(shard_id)
-        for round_ids in zip_longest(*by_rank):
-            _gather_round(
-                round_ids, dtype, loaded_tensors, unloaded_shards, metadata, group, result
-            )
+    # Every tensor travels as bytes, so one sequence of rounds serves all dtypes.
+    by_rank: list[list[_ShardId]] = [[] for _ in range(group.world)]
+    for shard_id, owner in _exchanged(shard_distribution):
+        by_rank[owner].append(shard_id)
+    for round_ids in zip_longest(*by_rank):
+        _gather_round(round_ids, loaded_tensors, unloaded_shards, metadata, group, result)
     return result
 
 
 def _gather_round(
     round_ids: tuple[_ShardId | None, ...],
-    dtype: torch.dtype,
     loaded_tensors: dict[_ShardId, torch.Tensor],
     unloaded_shards: dict[_ShardId, ShardedTensor],
     metadata: dict[_ShardId, ShardedTensor],
     group: RankGroup,
     result: dict[_ShardId, torch.Tensor],
 ) -> None:
-    sizes = [0 if s is None else _shard_size(metadata[s]) // dtype.itemsize for s in round_ids]
+    """One all-gather: rank ``r`` contributes the bytes of ``round_ids[r]``, padded to
+    the round's largest shard."""
+    sizes = [0 if s is None else _shard_size(metadata[s]) for s in round_ids]
     width = max(sizes)
-    buffers = [torch.zeros(width, dtype=dtype, device=group.device) for _ in round_ids]
+    buffers = [torch.zeros(width, dtype=torch.uint8, device=group.device) for _ in round_ids]
     mine = round_ids[group.rank]
     if mine is not None:
-        buffers[group.rank][: sizes[group.rank]].copy_(loaded_tensors[mine].reshape(-1))
+        buffers[group.rank][: sizes[group.rank]].copy_(_as_bytes(loaded_tensors[mine]))
     dist.all_gather(buffers, buffers[group.rank], group=group.group)
     for rank, shard_id in enumerate(round_ids):
         if shard_id is None or rank == group.rank or shard_id not in unloaded_shards:
             continue
         sh = unloaded_shards[shard_id]
-        shape = (sizes[rank],) if sh.flattened_range is not None else sh.local_shape
-        _keep_if_needed(
-            result, shard_id, buffers[rank][: sizes[rank]].reshape(shape), unloaded_shards
-        )
+        result[shard_id] = _from_bytes(buffers[rank][: sizes[rank]].clone(), sh)
 
 
 _EXCHANGES: dict[str, Callable[..., dict[_ShardId, torch.Tensor]]] = {

@@ -264,3 +264,37 @@ def test_each_shard_is_read_by_one_rank_of_the_group(tmp_path: Path) -> None:
     every_read = [key for keys in reads for key in keys]
     assert sorted(every_read) == sorted(NAMES)  # every tensor read exactly once in the group
     assert sum(1 for keys in reads if keys) >= 3  # and the reads are spread
+
+
+def _fp8_and_bool_exchange(ckpt: str, exchange_algo: str) -> bool:
+    rank = dist.get_rank()
+    full = {
+        "f8": torch.arange(32, dtype=torch.float32).reshape(8, 4).to(torch.float8_e4m3fn),
+        "flag": torch.arange(12).reshape(4, 3) % 3 == 0,
+    }
+
+    def state(empty: bool) -> dict[str, Any]:
+        return {
+            k: ShardedTensor.from_rank_offsets(
+                k, torch.zeros_like(v) if empty else v.clone(), replica_id=rank
+            )
+            for k, v in full.items()
+        }
+
+    dcp.save(state(False), ckpt)
+    load = FullyParallelLoadStrategyWrapper(
+        TorchDistLoadShardedStrategy(), exchange_algo=exchange_algo
+    )
+    loaded = dcp.load(state(True), ckpt, sharded_strategy=load)
+    return all(
+        torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8))  # type: ignore[index]
+        for k, v in full.items()
+    )
+
+
+@pytest.mark.parametrize("exchange_algo", ["broadcast", "gather_object", "gather_rounds"])
+def test_fp8_and_bool_shards_are_exchanged_bit_exactly(tmp_path: Path, exchange_algo: str) -> None:
+    results = run_distributed(
+        _fp8_and_bool_exchange, 2, str(tmp_path), exchange_algo, timeout=TIMEOUT_S
+    )
+    assert results == [True, True]
