@@ -206,6 +206,19 @@ def exchange_loaded_tensors_broadcast(
     return result
 
 
+def _merge_once(per_rank: list[dict[_ShardId, T]], what: str) -> dict[_ShardId, T]:
+    """One dict of every rank's entries; an id loaded by two ranks is an error."""
+    everything: dict[_ShardId, T] = {}
+    for entries in per_rank:
+        duplicates = set(everything) & set(entries)
+        if duplicates:
+            raise CheckpointingException(
+                f"{what} loaded by more than one rank: {sorted(map(str, duplicates))[:5]}"
+            )
+        everything.update(entries)
+    return everything
+
+
 def exchange_loaded_tensors_gather_object(
     loaded_tensors: dict[_ShardId, torch.Tensor],
     unloaded_shards: dict[_ShardId, ShardedTensor],
@@ -217,14 +230,7 @@ def exchange_loaded_tensors_gather_object(
     group = RankGroup(parallelization_group)
     # Bytes, not tensors: some dtypes (FP8) do not pickle through the object collectives.
     shared = {k: bytes(_as_bytes(v).cpu().numpy()) for k, v in loaded_tensors.items()}
-    everything: dict[_ShardId, bytes] = {}
-    for rank_tensors in group.all_gather(shared):
-        duplicates = set(everything) & set(rank_tensors)
-        if duplicates:
-            raise CheckpointingException(
-                f"shards loaded by more than one rank: {sorted(map(str, duplicates))[:5]}"
-            )
-        everything.update(rank_tensors)
+    everything: dict[_ShardId, bytes] = _merge_once(group.all_gather(shared), "shards")
     result = dict(loaded_tensors)
     for shard_id, sh in unloaded_shards.items():
         if shard_id in everything:
@@ -241,15 +247,8 @@ def exchange_loaded_objects_gather_object(
     Raises:
         CheckpointingException: two ranks loaded the same object.
     """
-    everything: dict[_ShardId, Any] = {}
-    for rank_objects in RankGroup(parallelization_group).all_gather(loaded_objects):
-        duplicates = set(everything) & set(rank_objects)
-        if duplicates:
-            raise CheckpointingException(
-                f"objects loaded by more than one rank: {sorted(map(str, duplicates))[:5]}"
-            )
-        everything.update(rank_objects)
-    return everything
+    gathered = RankGroup(parallelization_group).all_gather(loaded_objects)
+    return _merge_once(gathered, "objects")
 
 
 @torch.no_grad()

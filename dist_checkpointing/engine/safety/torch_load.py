@@ -10,8 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -85,27 +84,20 @@ def _unsafe_load_error(message: str, source: str) -> UnsafeCheckpointError | Non
 ALWAYS_ALLOWED_TYPES: tuple[type, ...] = (io.BytesIO,)
 
 
-@contextmanager
-def _allowing(allowed_types: Sequence[type]) -> Iterator[None]:
-    """Add ``allowed_types`` (and :data:`ALWAYS_ALLOWED_TYPES`) to torch's weights_only
-    allowlist for the block, then restore the list exactly as it was (in order)."""
+def _new_safe_globals(
+    allowed_types: Sequence[type],
+) -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
+    """:data:`ALWAYS_ALLOWED_TYPES` and ``allowed_types`` that torch does not allow yet.
+
+    Leaving out those already registered keeps ``safe_globals.__exit__`` from
+    removing what the user registered.
+    """
     for allowed in allowed_types:
         if not isinstance(allowed, type):
             raise TypeError(f"allowed_types must hold classes, found {allowed!r}")
-    before = torch.serialization.get_safe_globals()
+    registered = torch.serialization.get_safe_globals()
     candidates = dict.fromkeys((*ALWAYS_ALLOWED_TYPES, *allowed_types))
-    wanted: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
-        t for t in candidates if t not in before
-    ]
-    if not wanted:
-        yield
-        return
-    torch.serialization.add_safe_globals(wanted)
-    try:
-        yield
-    finally:
-        torch.serialization.clear_safe_globals()
-        torch.serialization.add_safe_globals(before)
+    return [t for t in candidates if t not in registered]
 
 
 def safe_torch_load(
@@ -119,7 +111,7 @@ def safe_torch_load(
 
     1. Unless ``trusted``, load with ``weights_only=True``: tensors, containers,
        primitives and ``io.BytesIO`` only, plus the classes in ``allowed_types`` for
-       this call (added to torch's allowlist, which is restored exactly afterwards;
+       this call (torch's ``safe_globals`` context, which removes them afterwards;
        note that torch keeps that list process-wide while
        the call runs).
     2. With ``trusted=True``, load with plain pickle: only for files you wrote.
@@ -134,7 +126,7 @@ def safe_torch_load(
     )
     if trusted:
         return _torch_load(stream, source, weights_only=False)
-    with _allowing(allowed_types):
+    with torch.serialization.safe_globals(_new_safe_globals(allowed_types)):
         return _torch_load(stream, source, weights_only=True)
 
 
