@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import errors
 from .core import CheckpointingConfig, check_is_distributed_checkpoint
+from .engine.checkpoint.verify import VerifyReport, verify
 from .errors import CheckpointingException
 from .mapping import (
     LocalNonpersistentObject,
@@ -36,6 +37,8 @@ from .serialization import (
 from .validation import StrictHandling, parse_strict_flag
 
 __all__ = [
+    "verify",
+    "VerifyReport",
     "CheckpointingConfig",
     "CheckpointingException",
     "LocalNonpersistentObject",

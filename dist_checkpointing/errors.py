@@ -56,6 +56,23 @@ class CorruptCheckpointError(CheckpointingException, OSError):
     """A checkpoint file is truncated, unreadable or fails its integrity check."""
 
 
+class ChecksumMismatchError(CorruptCheckpointError):
+    """Bytes read from a checkpoint differ from the checksum recorded when they were
+    written. ``key``, ``file`` and ``offset`` (of the failing block in the file) say
+    where."""
+
+    def __init__(self, message: str, key: str = "", file: str = "", offset: int = -1) -> None:
+        super().__init__(message)
+        self.key = key
+        self.file = file
+        self.offset = offset
+
+
+class ForeignFileError(CorruptCheckpointError):
+    """A file of the checkpoint was not written by the save its commit record names
+    (copied from another checkpoint, or left by another tool)."""
+
+
 class UnsafeCheckpointError(CheckpointingException, ValueError):
     """Loading would require executing or importing code that is not allowed."""
 
@@ -69,6 +86,10 @@ class CheckpointWriteError(CheckpointingException, OSError, RuntimeError):
     """
 
     failures: dict[int, str]
+
+
+class ConcurrentSaveError(CheckpointWriteError):
+    """Another save is writing to the same checkpoint directory (it holds the lock)."""
 
 
 class RankFailureError(CheckpointingException):
@@ -109,7 +130,10 @@ __all__ = [
     "KeyMismatchError",
     "ShapeMismatchError",
     "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "ForeignFileError",
     "UnsafeCheckpointError",
+    "ConcurrentSaveError",
     "CheckpointWriteError",
     "RankFailureError",
     "InvalidArgumentError",

@@ -175,16 +175,21 @@ def _finalize_save(
     verify_integrity: bool,
     group: RankGroup,
 ) -> None:
-    """Integrity manifest (optional), then the commit marker (every rank calls it)."""
-    if verify_integrity:
-        names = sharded_strategy.files_written_by(ckpt, group.rank) + common_strategy.files(ckpt)
-        integrity.record(ckpt, group, names)
-    config = CheckpointingConfig(
-        sharded_strategy.backend,
-        sharded_strategy.version,
-        common_strategy.backend,
-        common_strategy.version,
-    )
+    """Integrity manifest (optional), then the commit (every rank calls it)."""
+    try:
+        if verify_integrity:
+            names = sharded_strategy.files_written_by(ckpt, group.rank)
+            names += common_strategy.files(ckpt)
+            integrity.record(ckpt, group, names)
+        config = CheckpointingConfig(
+            sharded_strategy.backend,
+            sharded_strategy.version,
+            common_strategy.backend,
+            common_strategy.version,
+        )
+    except BaseException:
+        commit.abort(ckpt, group)
+        raise
     commit.commit(ckpt, group, config_bytes(config))
 
 
@@ -252,19 +257,32 @@ def save(
         process_group,
     )
     group = RankGroup(process_group)
-    commit.begin(ckpt, group, (*sharded.commit_files, integrity.INTEGRITY_FNAME))
+    commit.begin(ckpt, group, functools.partial(_owns_file, sharded, common))
     if content_metadata is not None:
         common_part[CONTENT_METADATA_KEY] = content_metadata
-    sharded_part = _save_common_part(ckpt, sharded, common, sharded_part, common_part)
     finalize = functools.partial(_finalize_save, ckpt, sharded, common, verify_integrity, group)
-    if not async_sharded_save:
-        sharded.save(sharded_part, ckpt)
-        finalize()
-        return None
-    assert isinstance(sharded, AsyncSaveShardedStrategy)
-    request = sharded.async_save(sharded_part, ckpt)
+    try:
+        sharded_part = _save_common_part(ckpt, sharded, common, sharded_part, common_part)
+        if not async_sharded_save:
+            sharded.save(sharded_part, ckpt)
+            finalize()
+            return None
+        assert isinstance(sharded, AsyncSaveShardedStrategy)
+        request = sharded.async_save(sharded_part, ckpt)
+    except BaseException:
+        commit.abort(ckpt, group)
+        raise
     request.add_finalize_fn(finalize)
     return request
+
+
+def _owns_file(sharded: SaveShardedStrategy, common: SaveCommonStrategy, name: str) -> bool:
+    """Whether ``name`` is a checkpoint file (one a save may replace or delete)."""
+    return (
+        sharded.owns_file(name)
+        or common.owns_file(name)
+        or name in (commit.COMMIT_MARKER, integrity.INTEGRITY_FNAME)
+    )
 
 
 # --------------------------------------------------------------------------- load
@@ -273,10 +291,15 @@ def save(
 def load_common_state_dict(
     checkpoint_dir: str | os.PathLike[str],
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
+    *,
+    verify_checksums: bool | None = None,
 ) -> StateDict:
-    """The common (non-sharded) state of the checkpoint."""
+    """The common (non-sharded) state of the checkpoint (``verify_checksums``: see
+    :func:`load`)."""
     ckpt = CheckpointDir.of(checkpoint_dir)
-    _, common = verify_checkpoint_and_load_strategy(ckpt, common_strategy=common_strategy)
+    _, common = verify_checkpoint_and_load_strategy(
+        ckpt, common_strategy=common_strategy, verify_checksums=verify_checksums
+    )
     return common.load_common(ckpt)
 
 
@@ -298,10 +321,14 @@ def load_content_metadata(
 def load_tensors_metadata(
     checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
+    *,
+    verify_checksums: bool | None = None,
 ) -> ShardedStateDict:
     """Data-less ShardedTensors (global shape, dtype) of every stored tensor, by key."""
     ckpt = CheckpointDir.of(checkpoint_dir)
-    strategy, _ = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy)
+    strategy, _ = verify_checkpoint_and_load_strategy(
+        ckpt, sharded_strategy, verify_checksums=verify_checksums
+    )
     return strategy.load_tensors_metadata(ckpt)
 
 
@@ -309,25 +336,37 @@ def load_sharded_metadata(
     checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
+    *,
+    verify_checksums: bool | None = None,
 ) -> ShardedStateDict:
     """Data-less ShardedTensors by key and ShardedObjects by unique key."""
     ckpt = CheckpointDir.of(checkpoint_dir)
-    strategy, common = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy, common_strategy)
+    strategy, common = verify_checkpoint_and_load_strategy(
+        ckpt, sharded_strategy, common_strategy, verify_checksums=verify_checksums
+    )
     metadata = strategy.load_sharded_metadata(ckpt)
     if not strategy.can_handle_sharded_objects:
         merge(metadata, common.load_sharded_metadata(ckpt))
     return metadata
 
 
-def load_plain_tensors(checkpoint_dir: str | os.PathLike[str]) -> StateDict:
+def load_plain_tensors(
+    checkpoint_dir: str | os.PathLike[str], *, verify_checksums: bool | None = None
+) -> StateDict:
     """Every stored tensor, whole, by key (every rank loads everything)."""
     ckpt = CheckpointDir.of(checkpoint_dir)
-    request = load_tensors_metadata(ckpt)
-    return load(request, ckpt, validate_access_integrity=False)  # type: ignore[return-value]
+    request = load_tensors_metadata(ckpt, verify_checksums=verify_checksums)
+    return load(  # type: ignore[return-value]
+        request, ckpt, validate_access_integrity=False, verify_checksums=verify_checksums
+    )
 
 
 def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: str) -> None:
-    """Remove the tensors whose key starts with ``key_prefix`` (run on one rank)."""
+    """Remove the tensors whose key starts with ``key_prefix`` (run on one rank).
+
+    Crash-safe: the new ``.metadata`` is committed (with the commit record, when
+    the checkpoint has one) before any data file is deleted.
+    """
     ckpt = CheckpointDir.of(checkpoint_dir)
     strategy, _ = verify_checkpoint_and_load_strategy(ckpt)
     strategy.remove_sharded_tensors(ckpt, key_prefix)
@@ -384,6 +423,7 @@ def load(
     strict: StrictHandling | str = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
     verify_integrity: bool = False,
+    verify_checksums: bool | None = None,
     process_group: ProcessGroup = None,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the checkpoint into the layout described by ``sharded_state_dict`` (collective).
@@ -407,6 +447,10 @@ def load(
         strict: how to handle keys that differ (see :class:`StrictHandling`).
         verify_integrity: check the files this rank reads (data files and
             ``common.pt``) against the checkpoint's ``integrity.json``.
+        verify_checksums: check every byte read against the checksums recorded
+            when it was written (``ChecksumMismatchError`` names key, file and
+            offset); default: the ``VERIFY_CHECKSUMS`` knob (on). Checkpoints
+            without a commit record (written by Megatron-Core) load unverified.
         process_group: the ranks that load together (default: the world).
 
     Returns:
@@ -414,13 +458,20 @@ def load(
         missing and unexpected keys.
     """
     ckpt = CheckpointDir.of(checkpoint_dir)
-    sharded, common = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy, common_strategy)
-    strategies = (bind_process_group(sharded, process_group), common)
-    common_state_dict = common.load_common(ckpt)
-    request, nonpersistent, factories = load_preprocess(sharded_state_dict)
-    strict = parse_strict_flag(strict)
+    error: BaseException | None = None
+    try:
+        sharded, common = verify_checkpoint_and_load_strategy(
+            ckpt, sharded_strategy, common_strategy, verify_checksums=verify_checksums
+        )
+        strategies = (bind_process_group(sharded, process_group), common)
+        common_state_dict = common.load_common(ckpt)
+        request, nonpersistent, factories = load_preprocess(sharded_state_dict)
+        strict_mode = parse_strict_flag(strict)
+    except Exception as exc:  # noqa: BLE001 - one verdict: raised on every rank below
+        error = exc
+    RankGroup(process_group).fail_together(error, f"Loading {ckpt}")
     request, missing, unexpected = _check_request(
-        ckpt, request, strict, validate_access_integrity, strategies, process_group
+        ckpt, request, strict_mode, validate_access_integrity, strategies, process_group
     )
     if verify_integrity:
         _verify_files_read(ckpt, strategies, request)
@@ -428,6 +479,6 @@ def load(
     merge(common_state_dict, loaded)
     merge(common_state_dict, nonpersistent)
     result: StateDict = apply_factory_merges(common_state_dict, factories)
-    if StrictHandling.requires_returning_mismatch_keys(strict):
+    if StrictHandling.requires_returning_mismatch_keys(strict_mode):
         return result, missing, unexpected
     return result

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .core import CheckpointingConfig, maybe_load_config
 from .dict_utils import diff, extract_matching_values, nested_values
+from .engine import knobs
 from .engine.checkpoint import commit, integrity
 from .engine.collectives import RankGroup, describe_error
 from .engine.sharding_check import (
@@ -378,13 +379,19 @@ def _holds_checkpoint_files(names: list[str]) -> bool:
         s for (action, _, _), s in registered_strategies().items() if action.startswith("save")
     ]
     return any(
-        n == integrity.INTEGRITY_FNAME or any(s.owns_file(n) for s in save_strategies)
+        n == integrity.INTEGRITY_FNAME
+        or commit.is_protocol_file(n)
+        or any(s.owns_file(n) for s in save_strategies)
         for n in names
     )
 
 
-def _require_config(ckpt: CheckpointDir) -> CheckpointingConfig:
+def _require_config(ckpt: CheckpointDir, verify_checksums: bool | None) -> CheckpointingConfig:
     ckpt.require_dir()
+    if verify_checksums is None:
+        verify_checksums = bool(knobs.VERIFY_CHECKSUMS.get())
+    if commit.open_for_read(ckpt, verify_checksums) is None:
+        logger.info("%s has no commit record: checksum verification is unavailable", ckpt)
     config = maybe_load_config(ckpt)
     if config is not None:
         return config
@@ -402,15 +409,22 @@ def verify_checkpoint_and_load_strategy(
     checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
+    *,
+    verify_checksums: bool | None = None,
 ) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
     """Check ``checkpoint_dir`` is a complete checkpoint and pick compatible strategies.
+
+    With a commit record (see :mod:`.engine.checkpoint.commit`), every file and
+    item read afterwards through the same handle is checked against its recorded
+    checksums, unless ``verify_checksums`` is False (default: the
+    ``VERIFY_CHECKSUMS`` knob, on).
 
     Raises:
         CheckpointNotFoundError: no directory, or no checkpoint in it.
         IncompleteCheckpointError: a save that never finished.
         StrategyNotFoundError / IncompatibleStrategyError: no strategy fits.
     """
-    config = _require_config(CheckpointDir.of(checkpoint_dir))
+    config = _require_config(CheckpointDir.of(checkpoint_dir), verify_checksums)
     sharded = resolve_strategy(
         sharded_strategy,
         (config.sharded_backend, config.sharded_backend_version),

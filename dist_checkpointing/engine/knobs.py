@@ -19,6 +19,9 @@ INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
 ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
 ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent
 ASYNC_WORKER_JOIN_TIMEOUT_S    300.0      wait for a writer process to stop at close
+CHECKSUM_BLOCK_BYTES           1048576    CRC32C block size of new saves (and most a read verifies extra)
+VERIFY_CHECKSUMS               1          verify the checksums of what a load reads (0: off)
+SAVE_LOCK_STALE_S              3600.0     age after which another host's save lock counts as stale
 ============================== ========== ===================================================
 """
 
@@ -96,6 +99,13 @@ ASYNC_WORKER_IDLE_CHECK_S = Knob(
 ASYNC_WORKER_JOIN_TIMEOUT_S = Knob(
     "ASYNC_WORKER_JOIN_TIMEOUT_S", 300.0, 0.0, "seconds to wait for a writer process to stop"
 )
+CHECKSUM_BLOCK_BYTES = Knob("CHECKSUM_BLOCK_BYTES", 1 << 20, 4096, "CRC32C block size of new saves")
+VERIFY_CHECKSUMS = Knob(
+    "VERIFY_CHECKSUMS", 1, 0, "verify the checksums of the bytes a load reads (0: off)"
+)
+SAVE_LOCK_STALE_S = Knob(
+    "SAVE_LOCK_STALE_S", 3600.0, 0.0, "age after which another host's save lock is stale"
+)
 
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
@@ -108,6 +118,9 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     ASYNC_POLL_INTERVAL_S,
     ASYNC_WORKER_IDLE_CHECK_S,
     ASYNC_WORKER_JOIN_TIMEOUT_S,
+    CHECKSUM_BLOCK_BYTES,
+    VERIFY_CHECKSUMS,
+    SAVE_LOCK_STALE_S,
 )
 
 __all__ = [
@@ -124,4 +137,7 @@ __all__ = [
     "ASYNC_POLL_INTERVAL_S",
     "ASYNC_WORKER_IDLE_CHECK_S",
     "ASYNC_WORKER_JOIN_TIMEOUT_S",
+    "CHECKSUM_BLOCK_BYTES",
+    "VERIFY_CHECKSUMS",
+    "SAVE_LOCK_STALE_S",
 ]

@@ -37,6 +37,7 @@ from ..engine import knobs
 from ..engine.storage import write_workers
 from ..engine.storage.base import FileSystemIO
 from ..engine.storage.bucketing import build_buckets, data_file_prefix
+from ..engine.storage.checksums import DataFileEntry
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.resolve import is_url
 from ..engine.storage.write_workers import (
@@ -58,6 +59,22 @@ DEFAULT_PER_THREAD_COPY_AHEAD = 10_000_000
 
 
 # --------------------------------------------------------------------------- metadata
+
+
+def data_file_checksums(results: Sequence[Sequence[WriteResult]]) -> dict[str, DataFileEntry]:
+    """Each data file's item checksums (carried by the write results) and size."""
+    files: dict[str, DataFileEntry] = {}
+    for rank_results in results:
+        for r in rank_results:
+            checksum = getattr(r, "checksum", None)
+            if checksum is None:
+                continue
+            entry = files.setdefault(r.storage_data.relative_path, DataFileEntry(0))
+            entry.items.append(checksum)
+            entry.size = max(entry.size, checksum.offset + checksum.length)
+    for entry in files.values():
+        entry.items.sort(key=lambda it: it.offset)
+    return files
 
 
 def storage_data_from_results(results: Sequence[Sequence[WriteResult]]) -> dict[Any, Any]:
@@ -200,14 +217,18 @@ class FileSystemWriterAsync(StorageWriter):
                 f"{self.path}: {exc}"
             ) from exc
         metadata_path = self.fs.join(self.path, METADATA_FILE_NAME)
-        if self.fs.exists(metadata_path):
-            if not self.overwrite:
-                raise CheckpointWriteError(
-                    f"{self.path} already holds a checkpoint ({METADATA_FILE_NAME} exists) "
-                    f"and overwrite=False"
-                )
-            if self.is_coordinator:
-                # Until the new save finishes, the directory must not look complete.
+        if not self.overwrite and self.fs.exists(metadata_path):
+            raise CheckpointWriteError(
+                f"{self.path} already holds a checkpoint ({METADATA_FILE_NAME} exists) "
+                f"and overwrite=False"
+            )
+        # Through the commit protocol (a save session on the handle) an existing
+        # checkpoint is left as it is: this save writes new file names and replaces
+        # .metadata only once committed. Used alone, the writer overwrites data files
+        # in place, so the old .metadata goes first (a crash leaves an incomplete
+        # directory, never a mix that loads).
+        if self.location.context.stage is None and self.is_coordinator:
+            if self.fs.exists(metadata_path):
                 logger.info("overwriting the checkpoint in %s", self.path)
                 self.fs.remove(metadata_path)
         if self.rank is not None:
@@ -252,9 +273,13 @@ class FileSystemWriterAsync(StorageWriter):
         """(Coordinator) Complete ``metadata`` and write ``.metadata`` atomically."""
         self.build_metadata(metadata, results)
         path = self.fs.join(self.path, METADATA_FILE_NAME)
+        context = self.location.context
+        if context.on_data_files is not None:
+            context.on_data_files(data_file_checksums(results))
         try:
             data = pickle.dumps(metadata, protocol=4)
-            self.fs.atomic_write(path, data, sync=self.sync_files)
+            # Staged under a save-specific name while the commit protocol runs.
+            self.location.atomic_write(METADATA_FILE_NAME, data, sync=self.sync_files)
         except OSError as exc:
             raise CheckpointWriteError(
                 f"rank {self._rank_or_default()}: writing checkpoint metadata {path} failed: {exc}"
@@ -267,6 +292,9 @@ class FileSystemWriterAsync(StorageWriter):
         also returned) from all ranks' results, without writing anything."""
         metadata.storage_data = storage_data_from_results(results)
         metadata.storage_meta = self.storage_meta()
+        save_id = self.location.context.attachments.get("save_id")
+        if save_id and metadata.storage_meta is not None:
+            metadata.storage_meta.save_id = save_id  # the commit protocol's id
         metadata.version = DCP_VERSION
         return metadata
 
@@ -309,6 +337,8 @@ class FileSystemWriterAsync(StorageWriter):
             self._file_prefix(plan),
             self.thread_count,
             self.separation_hint,
+            save_tag=self.location.context.save_tag,
+            checksum_block_bytes=self.location.context.block_bytes,
         )
         self._write_results = None
         logger.debug(

@@ -61,7 +61,7 @@ def _decentralized(planner: SavePlanner) -> bool:
 
 
 # A write result as a plain tuple: fqn, chunk offset, size, file, file offset, length,
-# transform descriptors.
+# transform descriptors, item checksum.
 _ResultRecord = tuple[Any, ...]
 
 
@@ -80,20 +80,24 @@ def _compact_results(results: list[WriteResult]) -> list[_ResultRecord]:
                 info.offset,
                 info.length,
                 getattr(info, "transform_descriptors", None),
+                getattr(r, "checksum", None),
             )
         )
     return out
 
 
 def _expand_results(records: list[_ResultRecord]) -> list[WriteResult]:
-    return [
-        WriteResult(
+    out = []
+    for fqn, offset, size, path, file_offset, length, transforms, checksum in records:
+        result = WriteResult(
             MetadataIndex(fqn, None if offset is None else torch.Size(offset)),
             size,
             StorageInfo(path, file_offset, length, transforms),
         )
-        for fqn, offset, size, path, file_offset, length, transforms in records
-    ]
+        if checksum is not None:
+            object.__setattr__(result, "checksum", checksum)  # WriteResult is frozen
+        out.append(result)
+    return out
 
 
 def _commit_metadata(

@@ -299,6 +299,9 @@ def test_unexpected_key_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None
 
 
 def _rewrite_config(ckpt_dir: Path, **fields: Any) -> None:
+    # Edited by hand, as another tool would: without the commit record (which would
+    # refuse the edited file as not belonging to the save).
+    (ckpt_dir / "commit.json").unlink(missing_ok=True)
     path = ckpt_dir / "metadata.json"
     config = json.loads(path.read_text())
     config.update(fields)

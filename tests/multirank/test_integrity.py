@@ -17,7 +17,11 @@ import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.engine.checkpoint.integrity import INTEGRITY_FNAME
 from dist_checkpointing.engine.storage.reader import FileSystemReader
-from dist_checkpointing.errors import CheckpointingException, CorruptCheckpointError
+from dist_checkpointing.errors import (
+    CheckpointingException,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+)
 from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,7 +76,7 @@ def test_manifest_records_every_written_file(ckpt: Path) -> None:
 
 
 def test_load_with_verification(ckpt: Path) -> None:
-    out = dcp.load(_request(), ckpt, verify_integrity=True)
+    out = dcp.load(_request(), ckpt, verify_integrity=True, verify_checksums=False)
     assert isinstance(out, dict)
     assert torch.equal(out["a"], _ref("a")) and torch.equal(out["b"], _ref("b"))
     assert out["step"] == 9
@@ -82,25 +86,28 @@ def test_flipped_byte_is_detected_and_names_the_file(ckpt: Path) -> None:
     b_file = _file_of(ckpt, "b")
     assert _file_of(ckpt, "a") != b_file
     _flip_byte_in(b_file, _ref("b").numpy().tobytes())
-    # Without verification the damage goes unnoticed ...
-    unverified = dcp.load(_request(), ckpt)
+    # The default load catches it with the checksums recorded at save ...
+    with pytest.raises(ChecksumMismatchError, match=b_file.name):
+        dcp.load(_request(), ckpt)
+    # ... without any verification the damage goes unnoticed ...
+    unverified = dcp.load(_request(), ckpt, verify_checksums=False)
     assert isinstance(unverified, dict) and not torch.equal(unverified["b"], _ref("b"))
     # ... with it, the load fails before reading, naming the file.
     with pytest.raises(CorruptCheckpointError) as info:
-        dcp.load(_request(), ckpt, verify_integrity=True)
+        dcp.load(_request(), ckpt, verify_integrity=True, verify_checksums=False)
     msg = str(info.value)
     assert b_file.name in msg and "sha256" in msg
     assert _file_of(ckpt, "a").name not in msg
     # Only the files a load reads are checked: 'a' alone still loads.
     request = {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(SHAPE))}
-    out = dcp.load(request, ckpt, verify_integrity=True)
+    out = dcp.load(request, ckpt, verify_integrity=True, verify_checksums=False)
     assert isinstance(out, dict) and torch.equal(out["a"], _ref("a"))
 
 
 def test_missing_manifest_is_a_clear_error(ckpt: Path) -> None:
     (ckpt / INTEGRITY_FNAME).unlink()
     with pytest.raises(CheckpointingException) as info:
-        dcp.load(_request(), ckpt, verify_integrity=True)
+        dcp.load(_request(), ckpt, verify_integrity=True, verify_checksums=False)
     msg = str(info.value)
     assert INTEGRITY_FNAME in msg and "verify_integrity" in msg and str(ckpt) in msg
 
@@ -110,7 +117,7 @@ def test_checkpoint_saved_without_verification_has_no_manifest(tmp_path: Path) -
     assert not (tmp_path / INTEGRITY_FNAME).exists()
     request = {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(SHAPE))}
     with pytest.raises(CheckpointingException, match=INTEGRITY_FNAME):
-        dcp.load(request, tmp_path, verify_integrity=True)
+        dcp.load(request, tmp_path, verify_integrity=True, verify_checksums=False)
 
 
 def _rewrite_manifest(ckpt_dir: Path, fmt: str) -> None:
@@ -126,13 +133,13 @@ def _rewrite_manifest(ckpt_dir: Path, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["nested", "top_level"])
 def test_tolerant_manifest_formats(ckpt: Path, fmt: str) -> None:
     _rewrite_manifest(ckpt, fmt)
-    out = dcp.load(_request(), ckpt, verify_integrity=True)
+    out = dcp.load(_request(), ckpt, verify_integrity=True, verify_checksums=False)
     assert isinstance(out, dict) and torch.equal(out["b"], _ref("b"))
     # The digests are really compared in that format too.
     b_file = _file_of(ckpt, "b")
     _flip_byte_in(b_file, _ref("b").numpy().tobytes())
     with pytest.raises(CorruptCheckpointError, match=b_file.name):
-        dcp.load(_request(), ckpt, verify_integrity=True)
+        dcp.load(_request(), ckpt, verify_integrity=True, verify_checksums=False)
 
 
 def test_file_missing_from_manifest(ckpt: Path) -> None:
@@ -141,7 +148,7 @@ def test_file_missing_from_manifest(ckpt: Path) -> None:
     del manifest["files"][a_file.name]
     (ckpt / INTEGRITY_FNAME).write_text(json.dumps(manifest))
     with pytest.raises(CorruptCheckpointError) as info:
-        dcp.load(_request(), ckpt, verify_integrity=True)
+        dcp.load(_request(), ckpt, verify_integrity=True, verify_checksums=False)
     assert a_file.name in str(info.value) and "not listed" in str(info.value)
 
 
@@ -153,7 +160,7 @@ def test_file_missing_from_manifest(ckpt: Path) -> None:
 def test_bad_manifest(ckpt: Path, content: str, expected: str) -> None:
     (ckpt / INTEGRITY_FNAME).write_text(content)
     with pytest.raises(CorruptCheckpointError) as info:
-        dcp.load(_request(), ckpt, verify_integrity=True)
+        dcp.load(_request(), ckpt, verify_integrity=True, verify_checksums=False)
     assert INTEGRITY_FNAME in str(info.value) and expected in str(info.value)
 
 
@@ -167,7 +174,7 @@ def test_modified_common_state_is_detected(tmp_path: Path) -> None:
     _flip_byte_in(tmp_path / "common.pt", marker.numpy().tobytes())
     request = {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(SHAPE))}
     with pytest.raises(CorruptCheckpointError, match="common.pt"):
-        dcp.load(request, tmp_path, verify_integrity=True)
+        dcp.load(request, tmp_path, verify_integrity=True, verify_checksums=False)
 
 
 # ----------------------------------------------------------------------------- several ranks
@@ -186,7 +193,7 @@ def _rank_save_and_verify(ckpt_dir: str) -> dict[str, Any]:
         k: ShardedTensor.from_rank_offsets(k, torch.zeros(SHAPE[0] // world, 4), (0, other, world))
         for k in ("a", "b")
     }
-    out = dcp.load(request, ckpt_dir, verify_integrity=True)
+    out = dcp.load(request, ckpt_dir, verify_integrity=True, verify_checksums=False)
     assert isinstance(out, dict)
     return {k: torch.equal(out[k], _ref(k).chunk(world)[other]) for k in ("a", "b")}
 

@@ -82,5 +82,26 @@ class FileSystemIO(ABC):
     def file_size(self, path: str) -> int:
         """Size of file ``path`` in bytes."""
 
+    def rename(self, src: str, dst: str) -> None:
+        """Replace ``dst`` with ``src`` (atomically where the store can; durably).
+
+        The default copies and deletes, for stores without a rename.
+        """
+        with self.open_read(src) as stream:
+            data = stream.read()
+        self.atomic_write(dst, data)
+        self.remove(src)
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless it exists; whether it was created.
+
+        Atomic on POSIX filesystems (``O_EXCL``); the default (for stores without a
+        conditional create) checks, then writes.
+        """
+        if self.exists(path):
+            return False
+        self.atomic_write(path, data)
+        return True
+
 
 __all__ = ["FileSystemIO", "ReadStream"]

@@ -26,17 +26,22 @@ def data_file_prefix(rank: int) -> str:
     return f"__{rank}_"
 
 
-def data_file_name(prefix: str, n: int, separation_hint: str = "") -> str:
+def data_file_name(prefix: str, n: int, separation_hint: str = "", save_tag: str = "") -> str:
     """The name of data file ``n`` with ``prefix`` (see :func:`data_file_prefix`);
     files of items separated by ``separation_hint`` start with the hint, as
-    Megatron-Core names them (``optimizer.__0_2.distcp``)."""
-    return f"{separation_hint}{prefix}{n}{DATA_FILE_SUFFIX}"
+    Megatron-Core names them (``optimizer.__0_2.distcp``). A save through the
+    commit protocol adds its tag (``__0_2.<tag>.distcp``), so that its files never
+    replace those of the checkpoint it overwrites before it is committed."""
+    tag = f".{save_tag}" if save_tag else ""
+    return f"{separation_hint}{prefix}{n}{tag}{DATA_FILE_SUFFIX}"
 
 
 def is_data_file_of(name: str, rank: int) -> bool:
     """Whether ``name`` is a data file written by group rank ``rank`` (with or
-    without a separation-hint prefix)."""
-    pattern = rf".*{re.escape(data_file_prefix(rank))}\d+{re.escape(DATA_FILE_SUFFIX)}"
+    without a separation-hint prefix and a save tag)."""
+    pattern = (
+        rf".*{re.escape(data_file_prefix(rank))}\d+(\.[0-9a-f]+)?{re.escape(DATA_FILE_SUFFIX)}"
+    )
     return re.fullmatch(pattern, name, flags=re.DOTALL) is not None
 
 
@@ -115,6 +120,8 @@ def build_buckets(
     prefix: str,
     thread_count: int,
     separation_hint: str | None,
+    save_tag: str = "",
+    checksum_block_bytes: int = 0,
 ) -> list[WriteBucket]:
     """The rank's buckets: items grouped by :func:`plan_buckets`, each item's data
     resolved (``resolve``, the planner's ``resolve_data``), files named from ``prefix``.
@@ -125,8 +132,9 @@ def build_buckets(
     buckets = []
     for n, group in enumerate(plan_buckets(items, thread_count, separation_hint)):
         hinted = separation_hint is not None and group[0].index.fqn.startswith(separation_hint)
-        name = data_file_name(prefix, n, separation_hint if hinted and separation_hint else "")
-        bucket = WriteBucket(path_of(name), name)
+        hint = separation_hint if hinted and separation_hint else ""
+        name = data_file_name(prefix, n, hint, save_tag)
+        bucket = WriteBucket(path_of(name), name, checksum_block_bytes=checksum_block_bytes)
         for item in group:
             data = resolve(item)
             if item.type == WriteItemType.BYTE_IO:

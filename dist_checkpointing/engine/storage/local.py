@@ -49,6 +49,22 @@ class LocalFileSystem(FileSystemIO):
             # The rename is durable only once the directory entry is.
             fsync_directory(os.path.dirname(os.path.abspath(path)))
 
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+        fsync_directory(os.path.dirname(os.path.abspath(dst)))
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(data)
+            self.fsync(stream)
+        fsync_directory(os.path.dirname(os.path.abspath(path)))
+        return True
+
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
 

@@ -20,11 +20,43 @@ from typing import Any, TypeVar
 
 from ...errors import CheckpointNotFoundError
 from .base import FileSystemIO, ReadStream
+from .checksums import DataFileEntry, ItemChecksum
 from .resolve import filesystem_for
 
 T = TypeVar("T")
 
 Location = str | os.PathLike[str]
+
+
+@dataclass
+class DirContext:
+    """What the checkpoint layer attaches to a handle for one save or load.
+
+    Set by :mod:`~dist_checkpointing.engine.checkpoint.commit`; the storage layer
+    only consults it, so it needs no knowledge of the commit protocol:
+
+    - ``stage(name)``: during a save, the name a whole file is written under
+      (installed under its final name at commit);
+    - ``aliases``: final name -> the name a load reads instead (a commit that was
+      interrupted after its record was written);
+    - ``on_write(name, data)`` / ``on_read(name, data)``: called for whole files
+      written or read through the handle (checksums are recorded / verified);
+    - ``on_data_files(entries)``: the coordinator hands over the data files' item
+      checksums gathered from every rank;
+    - ``item_checksum(relative_path, offset)``: the recorded checksums of an item
+      (None: not recorded), with ``block_bytes`` their block size;
+    - ``save_tag``: part of the data file names of this save.
+    """
+
+    stage: Callable[[str], str] | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
+    on_write: Callable[[str, bytes], None] | None = None
+    on_read: Callable[[str, bytes], None] | None = None
+    on_data_files: Callable[[dict[str, DataFileEntry]], None] | None = None
+    item_checksum: Callable[[str, int], ItemChecksum | None] | None = None
+    block_bytes: int = 0
+    save_tag: str = ""
+    attachments: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,6 +69,7 @@ class CheckpointDir:
     root: str
     fs: FileSystemIO
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
+    context: DirContext = field(default_factory=DirContext, repr=False)
 
     @classmethod
     def of(cls, location: Location | CheckpointDir) -> CheckpointDir:
@@ -55,8 +88,9 @@ class CheckpointDir:
     # ------------------------------------------------------------------ names
 
     def path(self, name: str) -> str:
-        """The full path of ``name`` inside the checkpoint."""
-        return self.fs.join(self.root, name)
+        """The full path of ``name`` inside the checkpoint (of the file a load reads
+        in its place, if a commit left it under its staged name)."""
+        return self.fs.join(self.root, self.context.aliases.get(name, name))
 
     def is_dir(self) -> bool:
         """Whether the root exists as a directory."""
@@ -86,15 +120,26 @@ class CheckpointDir:
         return self.fs.open_read(self.path(name))
 
     def read_bytes(self, name: str) -> bytes:
-        """The whole content of file ``name``."""
+        """The whole content of file ``name`` (checked against the commit record when
+        a load set one up)."""
         with self.open_read(name) as stream:
             data: bytes = stream.read()
+        if self.context.on_read is not None:
+            self.context.on_read(name, data)
         return data
 
     def atomic_write(self, name: str, data: bytes, *, sync: bool = True) -> None:
-        """Replace file ``name`` with ``data`` atomically (durably with ``sync``)."""
+        """Replace file ``name`` with ``data`` atomically (durably with ``sync``).
+
+        During a save, a file with a staged name is written under that name.
+        """
         self.forget(name)
-        self.fs.atomic_write(self.path(name), data, sync=sync)
+        target = name if self.context.stage is None else self.context.stage(name)
+        self.fs.atomic_write(self.fs.join(self.root, target), data, sync=sync)
+        if target != name:
+            self.context.aliases[name] = target  # later reads of this save see it
+        if self.context.on_write is not None:
+            self.context.on_write(name, data)
 
     def remove(self, name: str) -> None:
         """Delete file ``name``."""
@@ -115,4 +160,4 @@ class CheckpointDir:
         self._memo.pop(key, None)
 
 
-__all__ = ["CheckpointDir", "Location"]
+__all__ = ["CheckpointDir", "DirContext", "Location"]

@@ -10,7 +10,6 @@ anything unexpected falls back to ``torch.load(weights_only=True)`` of the item.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import io
 import logging
@@ -32,12 +31,13 @@ from ..._torch_compat import METADATA_FILE_NAME
 from ...errors import (
     CheckpointingException,
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from .. import knobs
 from ..safety import load_metadata, safe_torch_load
-from .base import ReadStream
+from .byte_ranges import DataFile, ItemBytes
+from .checksums import BlockVerifier
 from .item_reader import TensorRecord, parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
@@ -199,20 +199,38 @@ class FileSystemReader(StorageReader):
                 f"{' ...' if len(keys) > 10 else ''}"
             ) from None
         with stream:
-            file = _File(stream, path, self.fs.file_size(path))
+            file = DataFile(stream, path, self.fs.file_size(path))
             for read_item, info in items:
                 file.check_range(info.offset, info.length, read_item)
             i = 0
             while i < len(items):
                 j = file.load_window(items, i)
                 for read_item, info in items[i:j]:
-                    item = _Item(file, info.offset, info.length, read_item)
+                    item = ItemBytes(file, info.offset, info.length, read_item)
+                    item.verifier = self._verifier(relative_path, info.offset, info.length)
                     self._read_item(item, read_item, planner, lock)
+                    item.verify()
                 i = j
+
+    def _verifier(self, relative_path: str, offset: int, length: int) -> BlockVerifier | None:
+        """Checks the item's blocks as it is read (None: no checksums recorded)."""
+        lookup = self.location.context.item_checksum
+        if lookup is None:
+            return None
+        checksum = lookup(relative_path, offset)
+        if checksum is None or checksum.length != length:
+            raise ChecksumMismatchError(
+                f"{self.fs.join(self.path, relative_path)}: no recorded checksum for the item "
+                f"at offset {offset} (length {length}): the .metadata does not belong to the "
+                f"save in the commit record",
+                file=relative_path,
+                offset=offset,
+            )
+        return BlockVerifier(checksum, self.location.context.block_bytes)
 
     def _read_item(
         self,
-        item: _Item,
+        item: ItemBytes,
         read_item: ReadItem,
         planner: LoadPlanner,
         lock: AbstractContextManager[Any],
@@ -269,143 +287,20 @@ def read_object_bytes(
     except FileNotFoundError:
         raise CorruptCheckpointError(f"data file {path} is missing; it holds {key!r}") from None
     with stream:
-        file = _File(stream, path, reader.fs.file_size(path))
+        file = DataFile(stream, path, reader.fs.file_size(path))
         file.check_range(info.offset, info.length, read_item)
-        buf = bytearray(info.length)
-        file.readinto(info.offset, memoryview(buf), read_item)
-    return bytes(buf), f"{path} (item {key!r} at offset {info.offset})"
-
-
-# --------------------------------------------------------------------------- file access
-
-
-class _File:
-    """One open data file; serves small items from a window of bytes read at once."""
-
-    def __init__(self, stream: ReadStream, path: str, size: int) -> None:
-        self.stream = stream
-        self.path = path
-        self.size = size
-        self.window_start = 0
-        self.window = memoryview(b"")
-        self.window_address = 0  # address of the window's first byte
-
-    def check_range(self, offset: int, length: int, read_item: ReadItem) -> None:
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise CorruptCheckpointError(
-                f"{self.path} is truncated: item {read_item.storage_index.fqn!r} "
-                f"(offset {offset}, length {length}) ends at byte {offset + length}, "
-                f"but the file has {self.size} bytes"
-            )
-
-    def load_window(self, items: Sequence[tuple[ReadItem, Any]], i: int) -> int:
-        """Fetch items[i:j] of small neighbours with one read (if worth it); return j.
-
-        Returns ``i + 1`` without reading when items[i] is large (it is read in place).
-        """
-        # Small items are fetched together with their neighbours, in reads of up to
-        # READ_WINDOW_BYTES, skipping gaps of at most READ_MAX_GAP_BYTES (see knobs).
-        small = knobs.READ_SMALL_ITEM_BYTES.get()
-        max_gap = knobs.READ_MAX_GAP_BYTES.get()
-        window = knobs.READ_WINDOW_BYTES.get()
-        start = items[i][1].offset
-        end = start + items[i][1].length
-        if items[i][1].length > small:
-            return i + 1
-        j = i + 1
-        while j < len(items):
-            info = items[j][1]
-            if (
-                info.length > small
-                or info.offset - end > max_gap
-                or max(end, info.offset + info.length) - start > window
-            ):
-                break
-            end = max(end, info.offset + info.length)
-            j += 1
-        buf = bytearray(max(1, end - start))
-        self.readinto(start, memoryview(buf)[: end - start], items[i][0])
-        self.window_start = start
-        self.window = memoryview(buf)[: end - start]
-        self.window_address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        return j
-
-    def readinto(self, offset: int, buf: memoryview, read_item: ReadItem) -> None:
-        self.stream.seek(offset)
-        done = 0
-        while done < len(buf):
-            n = self.stream.readinto(buf[done:])
-            if not n:
-                raise CorruptCheckpointError(
-                    f"{self.path}: short read at byte {offset + done} while reading item "
-                    f"{read_item.storage_index.fqn!r} (the file may have been truncated)"
-                )
-            done += n
-
-
-# Bytes read at once from each end of a large item: its zip headers and directory.
-_EDGE_BYTES = 4096
-
-
-class _Item:
-    """The bytes of one item: a slice of the file's window, or read from the file."""
-
-    def __init__(self, file: _File, offset: int, length: int, read_item: ReadItem) -> None:
-        self.file = file
-        self.offset = offset
-        self.length = length
-        self.read_item = read_item
-        pos = offset - file.window_start
-        in_window = pos >= 0 and pos + length <= len(file.window)
-        self.view = file.window[pos : pos + length] if in_window else None
-        self.address = file.window_address + pos  # valid when windowed
-        self._edges: tuple[memoryview, memoryview] | None = None  # head and tail bytes
-
-    def read_at(self, offset: int, n: int) -> memoryview:
-        """``n`` bytes at ``offset`` of the item (small reads near its ends are cached)."""
-        if self.view is not None:
-            return self.view[offset : offset + n]
-        if n <= _EDGE_BYTES and self.length > 2 * _EDGE_BYTES:
-            if self._edges is None:
-                tail_at = self.length - _EDGE_BYTES
-                self._edges = (self._read(0, _EDGE_BYTES), self._read(tail_at, _EDGE_BYTES))
-            if offset + n <= _EDGE_BYTES:
-                return self._edges[0][offset : offset + n]
-            tail_at = self.length - _EDGE_BYTES
-            if offset >= tail_at:
-                return self._edges[1][offset - tail_at : offset - tail_at + n]
-        return self._read(offset, n)
-
-    def _read(self, offset: int, n: int) -> memoryview:
-        buf = memoryview(bytearray(n))
-        self.file.readinto(self.offset + offset, buf, self.read_item)
-        return buf
-
-    def read_into_tensor(self, offset: int, t: torch.Tensor) -> None:
-        """Fill contiguous CPU tensor ``t`` with ``t.nbytes`` bytes from ``offset``."""
-        n = t.nbytes
-        if offset < 0 or offset + n > self.length:
-            raise CorruptCheckpointError(f"{self.describe()}: tensor bytes out of range")
-        if n == 0:
-            return
-        if self.view is not None:
-            ctypes.memmove(t.data_ptr(), self.address + offset, n)
-        else:
-            view = t.reshape(-1).view(torch.uint8).numpy().data
-            self.file.readinto(self.offset + offset, view, self.read_item)
-
-    def describe(self) -> str:
-        return (
-            f"{self.file.path}: item {self.read_item.storage_index.fqn!r} "
-            f"(offset {self.offset}, length {self.length})"
-        )
+        item = ItemBytes(file, info.offset, info.length, read_item)
+        item.verifier = reader._verifier(info.relative_path, info.offset, info.length)
+        data = bytes(item.read_at(0, info.length))
+        item.verify()
+    return data, f"{path} (item {key!r} at offset {info.offset})"
 
 
 # --------------------------------------------------------------------------- tensor copies
 
 
 def _check_request(
-    item: _Item, shape: Sequence[int], read_item: ReadItem, target: torch.Tensor
+    item: ItemBytes, shape: Sequence[int], read_item: ReadItem, target: torch.Tensor
 ) -> None:
     offsets, lengths = read_item.storage_offsets, read_item.lengths
     if len(offsets) != len(shape) or any(
@@ -438,7 +333,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _copy_region(item: _Item, rec: TensorRecord, read_item: ReadItem, target: torch.Tensor) -> None:
+def _copy_region(
+    item: ItemBytes, rec: TensorRecord, read_item: ReadItem, target: torch.Tensor
+) -> None:
     """Copy the requested region of the stored tensor into ``target``, reading only its span."""
     _check_request(item, rec.shape, read_item, target)
     lengths = tuple(read_item.lengths)
@@ -467,7 +364,7 @@ def _copy_region(item: _Item, rec: TensorRecord, read_item: ReadItem, target: to
     target.copy_(staging.as_strided(lengths, strides))
 
 
-def _copy_region_torch_load(item: _Item, read_item: ReadItem, target: torch.Tensor) -> None:
+def _copy_region_torch_load(item: ItemBytes, read_item: ReadItem, target: torch.Tensor) -> None:
     # weights_only: tensors and plain containers only; errors name the item.
     tensor = safe_torch_load(item.read_at(0, item.length), source=item.describe())
     if not isinstance(tensor, torch.Tensor):

@@ -34,6 +34,7 @@ from ..._torch_compat import StorageInfo
 from ..process import child_context, describe_exit, gc_paused, traceback_text
 from . import item_writer
 from .base import FileSystemIO
+from .checksums import ChecksumStream, ItemChecksum
 from .resolve import filesystem_for
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class WriteBucket:
     relative_path: str  # the file name recorded in the metadata
     byte_items: list[tuple[WriteItem, Any]] = field(default_factory=list)  # (item, BytesIO)
     tensor_items: list[tuple[WriteItem, torch.Tensor]] = field(default_factory=list)
+    checksum_block_bytes: int = 0  # 0: the CHECKSUM_BLOCK_BYTES knob
 
 
 @dataclass
@@ -104,22 +106,26 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
     one at a time. Raises ``OSError`` on I/O failure.
     """
     results: list[WriteResult] = []
-    with fs.open_write(bucket.path) as stream:
+    with fs.open_write(bucket.path) as raw:
+        # Every item is checksummed (CRC32C blocks) as its bytes go to the file.
+        stream = ChecksumStream(raw, bucket.checksum_block_bytes or None)
         offset = 0
         for item, data in bucket.byte_items:
+            stream.begin_item()
             length = stream.write(data.getbuffer())
-            results.append(_result(item, bucket.relative_path, offset, length))
+            results.append(_result(item, bucket.relative_path, offset, length, stream.end_item()))
             offset += length
         for item, tensor in bucket.tensor_items:
             if not tensor.is_cpu:
                 # Unstaged (synchronous path): one copy at a time bounds host memory.
                 # Never happens in forked workers: the async path stages first.
                 tensor = tensor.cpu()
-            length = item_writer.write_tensor(stream, tensor)
-            results.append(_result(item, bucket.relative_path, offset, length))
+            stream.begin_item()
+            length = item_writer.write_tensor(stream, tensor)  # type: ignore[arg-type]
+            results.append(_result(item, bucket.relative_path, offset, length, stream.end_item()))
             offset += length
         if sync_files:
-            fs.fsync(stream)
+            fs.fsync(raw)
     return results
 
 
@@ -127,12 +133,17 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
 BucketWriter = Callable[[WriteBucket, FileSystemIO, bool], list[WriteResult]]
 
 
-def _result(item: WriteItem, relative_path: str, offset: int, length: int) -> WriteResult:
-    return WriteResult(
+def _result(
+    item: WriteItem, relative_path: str, offset: int, length: int, checksum: ItemChecksum
+) -> WriteResult:
+    result = WriteResult(
         index=item.index,
         size_in_bytes=length,
         storage_data=StorageInfo(relative_path, offset, length),
     )
+    # Travels with the result to the coordinator (not part of DCP's .metadata).
+    object.__setattr__(result, "checksum", checksum)  # WriteResult is frozen
+    return result
 
 
 _ERRNO_HINTS = {

@@ -28,6 +28,7 @@ from ..._torch_compat import DATA_FILE_SUFFIX
 from ...dict_utils import dict_list_map_outplace
 from ...engine import knobs
 from ...engine.async_save.request import AsyncRequest
+from ...engine.checkpoint import commit
 from ...engine.collectives import raise_on_all_ranks
 from ...engine.safety import safe_torch_load
 from ...engine.storage.bucketing import is_data_file_of
@@ -141,8 +142,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def files_written_by(self, checkpoint_dir: str | os.PathLike[str], rank: int) -> list[str]:
-        names = CheckpointDir.of(checkpoint_dir).listdir()
-        return [n for n in names if is_data_file_of(n, rank)]
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        tag = ckpt.context.save_tag  # during an overwriting save: only this save's files
+        return [
+            n for n in ckpt.listdir() if is_data_file_of(n, rank) and (not tag or f".{tag}." in n)
+        ]
 
     def owns_file(self, name: str) -> bool:
         return name in self.commit_files or name.endswith(DATA_FILE_SUFFIX)
@@ -176,7 +180,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         )
         by_key = _drop_empty_flat(by_key)
         writer = FileSystemWriterAsync(
-            os.fspath(checkpoint_dir),
+            CheckpointDir.of(checkpoint_dir),  # the caller's handle (its save context)
             thread_count=self.thread_count,
             separation_hint=self.separation_hint,
         )
@@ -361,12 +365,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         mcore_data = getattr(old, "mcore_data", None)
         if mcore_data is not None:
             new.mcore_data = {k: v for k, v in mcore_data.items() if k in keep_sd}  # type: ignore[attr-defined]
-        ckpt.atomic_write(METADATA_FNAME, pickle.dumps(new))
         used = {info.relative_path for info in keep_storage.values()}
-        for info in (old.storage_data or {}).values():
-            if info.relative_path not in used and ckpt.has(info.relative_path):
-                ckpt.remove(info.relative_path)
-                used.add(info.relative_path)  # remove each file once
+        unused = {info.relative_path for info in (old.storage_data or {}).values()} - used
+        # The new .metadata is committed before any data file goes (see replace_files).
+        commit.replace_files(ckpt, {METADATA_FNAME: pickle.dumps(new)}, unused)
 
     def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
         """The data files holding the items of ``keys`` (from ``.metadata``)."""

@@ -1,0 +1,136 @@
+"""The commit record (``commit.json``): which files make up the committed save.
+
+Written last by a save's coordinator (see :mod:`.commit`), it names the save
+(``save_id``), every file of that save with its size, and the CRC32C block
+checksums of every data item and of every whole metadata file. It is what binds
+``.metadata``, ``metadata.json``, ``common.pt`` and the data files to one save: a
+file that does not match its entry was not written by this save.
+
+Format (JSON, version 1)::
+
+    {"format": "dist_checkpointing.commit", "version": 1,
+     "save_id": "<32 hex>", "world_size": 2, "created_unix": 1764043200.0,
+     "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
+     "files": {".metadata": {"size": 1234, "blocks": [crc, ...]}, ...},
+     "data_files": {"__0_0.<tag>.distcp": {"size": 4096,
+                    "items": [[offset, length, [crc, ...]], ...]}},
+     "install": {".metadata": ".metadata.<tag>.pending", ...}}
+
+``install`` lists fixed-name files still waiting under their staged name (only
+when a commit was interrupted after the record was written; see :mod:`.commit`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import CorruptCheckpointError
+from ..storage.checksums import ALGORITHM, DataFileEntry, FileEntry, ItemChecksum
+
+COMMIT_RECORD = "commit.json"
+FORMAT = "dist_checkpointing.commit"
+VERSION = 1
+
+# A damaged or hostile record is refused before it is parsed when larger than this
+# many bytes per data byte it describes would allow; an absolute cap keeps parsing
+# bounded (1 GiB of checkpoint needs about 10 KiB of record at 1 MiB blocks).
+MAX_RECORD_BYTES = 1 << 30
+
+
+@dataclass
+class CommitRecord:
+    """The parsed commit record of a checkpoint."""
+
+    save_id: str
+    world_size: int
+    block_bytes: int
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    data_files: dict[str, DataFileEntry] = field(default_factory=dict)
+    install: dict[str, str] = field(default_factory=dict)
+    created_unix: float = field(default_factory=time.time)
+
+    def names(self) -> set[str]:
+        """Every file the committed save consists of (final names)."""
+        return set(self.files) | set(self.data_files) | {COMMIT_RECORD}
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "created_unix": self.created_unix,
+            "checksum": {"algorithm": ALGORITHM, "block_bytes": self.block_bytes},
+            "files": {n: {"size": e.size, "blocks": e.blocks} for n, e in self.files.items()},
+            "data_files": {
+                n: {"size": e.size, "items": [[i.offset, i.length, i.blocks] for i in e.items]}
+                for n, e in self.data_files.items()
+            },
+            "install": self.install,
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str) -> CommitRecord:
+        """Parse and check a record; :class:`CorruptCheckpointError` naming ``source``."""
+        if len(data) > MAX_RECORD_BYTES:
+            raise CorruptCheckpointError(f"{source}: commit record of {len(data)} bytes refused")
+        try:
+            raw = json.loads(data)
+            return _parse(raw)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            raise CorruptCheckpointError(f"{source}: malformed commit record ({exc})") from None
+
+
+def _int(value: Any, what: str, minimum: int = 0) -> int:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r:.60}")
+    return value
+
+
+def _crcs(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{what} must be a non-empty list of checksums")
+    return [_int(v, what) for v in value]
+
+
+def _parse(raw: Any) -> CommitRecord:
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ValueError("not a dist_checkpointing commit record")
+    if raw.get("version") != VERSION or type(raw.get("version")) is not int:
+        raise ValueError(f"unsupported commit record version {raw.get('version')!r:.20}")
+    checksum = raw["checksum"]
+    if checksum.get("algorithm") != ALGORITHM:
+        raise ValueError(f"unsupported checksum algorithm {checksum.get('algorithm')!r:.40}")
+    save_id = raw["save_id"]
+    if not isinstance(save_id, str) or not save_id.isalnum() or len(save_id) > 64:
+        raise ValueError("bad save_id")
+    record = CommitRecord(
+        save_id=save_id,
+        world_size=_int(raw["world_size"], "world_size", 1),
+        block_bytes=_int(checksum["block_bytes"], "block_bytes", 1),
+        created_unix=float(raw.get("created_unix", 0.0)),
+    )
+    for name, entry in dict(raw["files"]).items():
+        record.files[str(name)] = FileEntry(
+            _int(entry["size"], f"{name} size"), _crcs(entry["blocks"], f"{name} blocks")
+        )
+    for name, entry in dict(raw["data_files"]).items():
+        items = [
+            ItemChecksum(_int(o, "offset"), _int(n, "length"), _crcs(b, f"{name} item"))
+            for o, n, b in entry["items"]
+        ]
+        record.data_files[str(name)] = DataFileEntry(_int(entry["size"], f"{name} size"), items)
+    install = raw.get("install", {})
+    if not isinstance(install, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in install.items()
+    ):
+        raise ValueError("install must map names to names")
+    record.install = dict(install)
+    return record
+
+
+__all__ = ["COMMIT_RECORD", "CommitRecord"]

@@ -1,0 +1,180 @@
+"""Byte ranges of data files: what the reader reads, and the checks on every read.
+
+:class:`DataFile` is one open data file: range checks against its real size,
+short-read detection, and a window that serves small neighbouring items with one
+read. :class:`ItemBytes` is one item's bytes (from the window or read in place,
+straight into a destination tensor), each piece handed to the item's
+:class:`~.checksums.BlockVerifier` so that exactly the bytes read are verified.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ...errors import ChecksumMismatchError, CorruptCheckpointError
+from .. import knobs
+from .base import ReadStream
+from .checksums import BlockVerifier, ChecksumMismatch
+
+# --------------------------------------------------------------------------- file access
+
+
+class DataFile:
+    """One open data file; serves small items from a window of bytes read at once."""
+
+    def __init__(self, stream: ReadStream, path: str, size: int) -> None:
+        self.stream = stream
+        self.path = path
+        self.size = size
+        self.window_start = 0
+        self.window = memoryview(b"")
+        self.window_address = 0  # address of the window's first byte
+
+    def check_range(self, offset: int, length: int, read_item: ReadItem) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise CorruptCheckpointError(
+                f"{self.path} is truncated: item {read_item.storage_index.fqn!r} "
+                f"(offset {offset}, length {length}) ends at byte {offset + length}, "
+                f"but the file has {self.size} bytes"
+            )
+
+    def load_window(self, items: Sequence[tuple[ReadItem, Any]], i: int) -> int:
+        """Fetch items[i:j] of small neighbours with one read (if worth it); return j.
+
+        Returns ``i + 1`` without reading when items[i] is large (it is read in place).
+        """
+        # Small items are fetched together with their neighbours, in reads of up to
+        # READ_WINDOW_BYTES, skipping gaps of at most READ_MAX_GAP_BYTES (see knobs).
+        small = knobs.READ_SMALL_ITEM_BYTES.get()
+        max_gap = knobs.READ_MAX_GAP_BYTES.get()
+        window = knobs.READ_WINDOW_BYTES.get()
+        start = items[i][1].offset
+        end = start + items[i][1].length
+        if items[i][1].length > small:
+            return i + 1
+        j = i + 1
+        while j < len(items):
+            info = items[j][1]
+            if (
+                info.length > small
+                or info.offset - end > max_gap
+                or max(end, info.offset + info.length) - start > window
+            ):
+                break
+            end = max(end, info.offset + info.length)
+            j += 1
+        buf = bytearray(max(1, end - start))
+        self.readinto(start, memoryview(buf)[: end - start], items[i][0])
+        self.window_start = start
+        self.window = memoryview(buf)[: end - start]
+        self.window_address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        return j
+
+    def readinto(self, offset: int, buf: memoryview, read_item: ReadItem) -> None:
+        self.stream.seek(offset)
+        done = 0
+        while done < len(buf):
+            n = self.stream.readinto(buf[done:])
+            if not n:
+                raise CorruptCheckpointError(
+                    f"{self.path}: short read at byte {offset + done} while reading item "
+                    f"{read_item.storage_index.fqn!r} (the file may have been truncated)"
+                )
+            done += n
+
+
+# Bytes read at once from each end of a large item: its zip headers and directory.
+_EDGE_BYTES = 4096
+
+
+class ItemBytes:
+    """The bytes of one item: a slice of the file's window, or read from the file."""
+
+    def __init__(self, file: DataFile, offset: int, length: int, read_item: ReadItem) -> None:
+        self.file = file
+        self.offset = offset
+        self.length = length
+        self.read_item = read_item
+        pos = offset - file.window_start
+        in_window = pos >= 0 and pos + length <= len(file.window)
+        self.view = file.window[pos : pos + length] if in_window else None
+        self.address = file.window_address + pos  # valid when windowed
+        self._edges: tuple[memoryview, memoryview] | None = None  # head and tail bytes
+        self.verifier: BlockVerifier | None = None
+
+    def verify(self) -> None:
+        """Check every checksum block of the item that was read (see :mod:`.checksums`)."""
+        if self.verifier is None:
+            return
+        if self.view is not None:  # the whole item is in memory: check it all
+            self.verifier.pieces = [(0, self.view)]
+        try:
+            self.verifier.finish(self._read_unverified)
+        except ChecksumMismatch as exc:
+            key = str(self.read_item.storage_index.fqn)
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {self.file.path} at byte {self.offset + exc.offset} "
+                f"(item {key!r} at offset {self.offset}, length {self.length}; crc32c "
+                f"{exc.found:08x}, recorded {exc.expected:08x}): the file was damaged or "
+                f"comes from another save",
+                key=key,
+                file=self.file.path,
+                offset=self.offset + exc.offset,
+            ) from None
+        self.verifier = None
+
+    def _read_unverified(self, offset: int, n: int) -> memoryview:
+        buf = memoryview(bytearray(n))
+        self.file.readinto(self.offset + offset, buf, self.read_item)
+        return buf
+
+    def read_at(self, offset: int, n: int) -> memoryview:
+        """``n`` bytes at ``offset`` of the item (small reads near its ends are cached)."""
+        if self.view is not None:
+            return self.view[offset : offset + n]
+        if n <= _EDGE_BYTES and self.length > 2 * _EDGE_BYTES:
+            if self._edges is None:
+                tail_at = self.length - _EDGE_BYTES
+                self._edges = (self._read(0, _EDGE_BYTES), self._read(tail_at, _EDGE_BYTES))
+            if offset + n <= _EDGE_BYTES:
+                return self._edges[0][offset : offset + n]
+            tail_at = self.length - _EDGE_BYTES
+            if offset >= tail_at:
+                return self._edges[1][offset - tail_at : offset - tail_at + n]
+        return self._read(offset, n)
+
+    def _read(self, offset: int, n: int) -> memoryview:
+        buf = self._read_unverified(offset, n)
+        if self.verifier is not None:
+            self.verifier.add(offset, buf)
+        return buf
+
+    def read_into_tensor(self, offset: int, t: torch.Tensor) -> None:
+        """Fill contiguous CPU tensor ``t`` with ``t.nbytes`` bytes from ``offset``."""
+        n = t.nbytes
+        if offset < 0 or offset + n > self.length:
+            raise CorruptCheckpointError(f"{self.describe()}: tensor bytes out of range")
+        if n == 0:
+            return
+        if self.view is not None:
+            ctypes.memmove(t.data_ptr(), self.address + offset, n)
+        else:
+            view = t.reshape(-1).view(torch.uint8).numpy().data
+            self.file.readinto(self.offset + offset, view, self.read_item)
+            if self.verifier is not None:
+                # Checked against the bytes as they landed in the tensor, before it is used.
+                self.verifier.add(offset, view)
+
+    def describe(self) -> str:
+        return (
+            f"{self.file.path}: item {self.read_item.storage_index.fqn!r} "
+            f"(offset {self.offset}, length {self.length})"
+        )
+
+
+__all__ = ["DataFile", "ItemBytes"]

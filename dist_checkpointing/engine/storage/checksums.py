@@ -1,0 +1,243 @@
+"""Checksums of checkpoint bytes: CRC32C per block, computed while writing.
+
+Every data item (one tensor chunk or one bytes object in a ``.distcp`` file) is
+checksummed in blocks of ``CHECKSUM_BLOCK_BYTES`` (a knob, default 1 MiB) counted
+from the item's first byte, as its bytes go to the file: :class:`ChecksumStream`
+wraps the open file, so there is no second read pass. Whole small files
+(``.metadata``, ``common.pt``, ``metadata.json``) are checksummed the same way,
+counted from the file's first byte.
+
+A reader verifies exactly the blocks it reads: :class:`BlockVerifier` collects the
+pieces of an item as they arrive (zip headers, the tensor bytes read straight into
+their destination, the tail), in any order, and checks each block it touched; the
+few bytes of a touched block that were not read (a partial, resharded read) are
+fetched once. CRC32C comes from the ``crc32c`` package (hardware-accelerated,
+about 15 GB/s per core here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import crc32c as _crc32c
+
+from .. import knobs
+
+ALGORITHM = "crc32c"
+
+
+def crc(data: Any, value: int = 0) -> int:
+    """CRC32C of ``data`` (bytes-like), continuing from ``value``."""
+    return int(_crc32c.crc32c(data, value))
+
+
+def block_crcs(data: Any, block_bytes: int) -> list[int]:
+    """The CRC32C of each ``block_bytes`` block of ``data`` (one entry for empty data)."""
+    view = memoryview(data).cast("B")
+    if len(view) == 0:
+        return [crc(b"")]
+    return [crc(view[i : i + block_bytes]) for i in range(0, len(view), block_bytes)]
+
+
+def block_size() -> int:
+    """The block size new saves use (the ``CHECKSUM_BLOCK_BYTES`` knob)."""
+    return knobs.CHECKSUM_BLOCK_BYTES.get()
+
+
+@dataclass
+class ItemChecksum:
+    """Checksums of one item: where it lies in its file and its block CRCs."""
+
+    offset: int
+    length: int
+    blocks: list[int]
+
+
+@dataclass
+class FileEntry:
+    """One whole file: its size and block checksums (counted from its first byte)."""
+
+    size: int
+    blocks: list[int]
+
+
+@dataclass
+class DataFileEntry:
+    """One data file: its size and the checksums of each item in it."""
+
+    size: int
+    items: list[ItemChecksum] = field(default_factory=list)
+
+    def item_at(self, offset: int) -> ItemChecksum | None:
+        """The item starting at byte ``offset`` (None if there is none)."""
+        index: dict[int, ItemChecksum] | None = self.__dict__.get("_index")
+        if index is None:
+            index = {it.offset: it for it in self.items}
+            self.__dict__["_index"] = index
+        return index.get(offset)
+
+
+class _BlockHasher:
+    """CRC32C of consecutive blocks of a byte stream fed piece by piece."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.blocks: list[int] = []
+        self.current = 0
+        self.filled = 0
+        self.total = 0
+
+    def feed(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        pos = 0
+        n = len(view)
+        self.total += n
+        while pos < n:
+            take = min(self.block_bytes - self.filled, n - pos)
+            self.current = crc(view[pos : pos + take], self.current)
+            self.filled += take
+            pos += take
+            if self.filled == self.block_bytes:
+                self.blocks.append(self.current)
+                self.current = 0
+                self.filled = 0
+
+    def finish(self) -> list[int]:
+        if self.filled or not self.blocks:
+            self.blocks.append(self.current)
+        return self.blocks
+
+
+class ChecksumStream:
+    """A write stream that checksums every item written through it.
+
+    Call :meth:`begin_item` before an item's bytes and :meth:`end_item` after them;
+    everything else (``tell``, ``flush``, ``fileno``...) goes to the wrapped stream.
+    """
+
+    def __init__(self, stream: BinaryIO, block_bytes: int | None = None) -> None:
+        self._stream = stream
+        self._block_bytes = block_bytes or block_size()
+        self._hasher: _BlockHasher | None = None
+        self._position = 0
+        self._item_start = 0
+        self.items: list[ItemChecksum] = []
+
+    def begin_item(self) -> None:
+        self._hasher = _BlockHasher(self._block_bytes)
+        self._item_start = self._position
+
+    def end_item(self) -> ItemChecksum:
+        assert self._hasher is not None, "end_item without begin_item"
+        item = ItemChecksum(
+            self._item_start, self._position - self._item_start, self._hasher.finish()
+        )
+        self.items.append(item)
+        self._hasher = None
+        return item
+
+    def write(self, data: Any) -> int:
+        n = self._stream.write(data)
+        written = len(memoryview(data).cast("B")) if n is None else n
+        if self._hasher is not None:
+            self._hasher.feed(memoryview(data).cast("B")[:written])
+        self._position += written
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class ChecksumMismatch(Exception):
+    """Raised by :class:`BlockVerifier` (the reader turns it into our public error)."""
+
+    def __init__(self, offset: int, expected: int, found: int) -> None:
+        super().__init__(f"block at item offset {offset}: crc32c {found:08x} != {expected:08x}")
+        self.offset = offset
+        self.expected = expected
+        self.found = found
+
+
+@dataclass
+class BlockVerifier:
+    """Checks the blocks of one item that a reader touched.
+
+    ``add(offset, view)`` records bytes read at ``offset`` of the item (the view must
+    stay valid until :meth:`finish`); ``finish(fetch)`` checks every touched block,
+    calling ``fetch(offset, n)`` for bytes of a touched block nobody read.
+    """
+
+    checksum: ItemChecksum
+    block_bytes: int
+    pieces: list[tuple[int, memoryview]] = field(default_factory=list)
+
+    def add(self, offset: int, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        if len(view):
+            self.pieces.append((offset, view))
+
+    def touched_blocks(self) -> list[int]:
+        touched: set[int] = set()
+        for offset, view in self.pieces:
+            first = offset // self.block_bytes
+            last = (offset + len(view) - 1) // self.block_bytes
+            touched.update(range(first, last + 1))
+        return sorted(touched)
+
+    def finish(self, fetch: Callable[[int, int], memoryview]) -> int:
+        """Verify the touched blocks; returns how many were checked."""
+        pieces = sorted(self.pieces, key=lambda p: p[0])
+        blocks = self.touched_blocks()
+        for b in blocks:
+            start = b * self.block_bytes
+            end = min(start + self.block_bytes, self.checksum.length)
+            if b >= len(self.checksum.blocks):
+                raise ChecksumMismatch(start, -1, -1)
+            value = _crc_of_range(pieces, start, end, fetch)
+            if value != self.checksum.blocks[b]:
+                raise ChecksumMismatch(start, self.checksum.blocks[b], value)
+        self.pieces.clear()
+        return len(blocks)
+
+
+def _crc_of_range(
+    pieces: Sequence[tuple[int, memoryview]],
+    start: int,
+    end: int,
+    fetch: Callable[[int, int], memoryview],
+) -> int:
+    """CRC32C of item bytes [start, end) from the sorted pieces, fetching the gaps."""
+    value = 0
+    pos = start
+    for offset, view in pieces:
+        if offset + len(view) <= pos:
+            continue
+        if offset >= end:
+            break
+        if offset > pos:
+            value = crc(fetch(pos, offset - pos), value)
+            pos = offset
+        stop = min(end, offset + len(view))
+        value = crc(view[pos - offset : stop - offset], value)
+        pos = stop
+        if pos >= end:
+            break
+    if pos < end:
+        value = crc(fetch(pos, end - pos), value)
+    return value
+
+
+__all__ = [
+    "ALGORITHM",
+    "BlockVerifier",
+    "ChecksumMismatch",
+    "ChecksumStream",
+    "DataFileEntry",
+    "FileEntry",
+    "ItemChecksum",
+    "block_crcs",
+    "block_size",
+    "crc",
+]

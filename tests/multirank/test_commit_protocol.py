@@ -1,0 +1,340 @@
+"""The commit protocol, checksums and save identity (issue: trustworthy checkpoints).
+
+Real gloo process groups; faults are injected through the writer's hook
+(``FileSystemWriterAsync.write_preloaded_data``), by killing a rank's process, or by
+editing files between save and load. Every test checks that nothing committed is
+lost and that errors name what failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dist_checkpointing as dcp
+from dist_checkpointing import ShardedTensor
+from dist_checkpointing.engine.checkpoint import commit
+from dist_checkpointing.engine.checkpoint.lock import LOCK_NAME
+from dist_checkpointing.errors import (
+    CheckpointingException,
+    ConcurrentSaveError,
+    IncompleteCheckpointError,
+    RankFailureError,
+)
+from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from tests.support.harness import DistributedTestError, run_distributed
+
+ROWS, COLS = 8, 6
+
+
+def _full(key: str, version: int) -> torch.Tensor:
+    seed = sum(map(ord, key)) + 1000 * version
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * 0.5 + seed
+
+
+def _state(version: int, keys: tuple[str, ...] = ("w", "v")) -> dict[str, Any]:
+    """Each rank holds its row block of every key (TP-like), plus common state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = ROWS // world
+    sd: dict[str, Any] = {
+        k: ShardedTensor.from_rank_offsets(
+            k, _full(k, version)[rank * rows : (rank + 1) * rows].clone(), (0, rank, world)
+        )
+        for k in keys
+    }
+    sd["step"] = version
+    return sd
+
+
+def _request(keys: tuple[str, ...] = ("w", "v")) -> dict[str, Any]:
+    return {
+        k: ShardedTensor.from_rank_offsets(k, torch.zeros(ROWS, COLS), replica_id=dist.get_rank())
+        for k in keys
+    }
+
+
+def _load_all(ckpt: Path, **kwargs: Any) -> dict[str, Any]:
+    out = dcp.load(_request(), ckpt, validate_access_integrity=False, **kwargs)
+    assert isinstance(out, dict)
+    return out
+
+
+def _check_version(ckpt: Path, version: int) -> None:
+    out = _load_all(ckpt)
+    assert out["step"] == version
+    for key in ("w", "v"):
+        assert torch.equal(out[key], _full(key, version)), key
+
+
+# ----------------------------------------------------------------------------- failed saves
+
+
+def _failing_overwrite(ckpt: Path) -> str:
+    dcp.save(_state(1), ckpt)
+
+    def fail_on_rank1(bucket: Any, fs: Any, sync: bool) -> Any:
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device (injected)")
+        from dist_checkpointing.engine.storage.write_workers import write_bucket_file
+
+        return write_bucket_file(bucket, fs, sync)
+
+    original = FileSystemWriterAsync.write_preloaded_data
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(fail_on_rank1)  # type: ignore[method-assign]
+    try:
+        with pytest.raises(CheckpointingException) as info:
+            dcp.save(_state(2), ckpt)
+    finally:
+        FileSystemWriterAsync.write_preloaded_data = original  # type: ignore[method-assign]
+    _check_version(ckpt, 1)  # the old checkpoint still loads bit-exactly
+    dcp.save(_state(3), ckpt)  # the next save cleans up and commits
+    _check_version(ckpt, 3)
+    return str(info.value)
+
+
+def test_failed_save_over_a_checkpoint_keeps_it(tmp_path: Path) -> None:
+    messages = run_distributed(_failing_overwrite, 2, tmp_path, timeout=120.0)
+    assert all("No space left" in m for m in messages), messages
+    names = set(os.listdir(tmp_path))
+    # Exactly the last checkpoint: no leftovers of the failed save or of version 1.
+    record = json.loads((tmp_path / "commit.json").read_text())
+    assert names == set(record["files"]) | set(record["data_files"]) | {"commit.json"}, names
+    assert not any(n.endswith(".pending") for n in names)
+
+
+def _save_then_die(ckpt: Path) -> None:
+    dcp.save(_state(1), ckpt)
+
+    def die(bucket: Any, fs: Any, sync: bool) -> Any:
+        if dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # the whole rank, mid-write
+        time.sleep(30)  # rank 1 is killed by the harness with it
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(die)  # type: ignore[method-assign]
+    dcp.save(_state(2), ckpt)
+
+
+def _load_and_resave(ckpt: Path) -> None:
+    _check_version(ckpt, 1)
+    dcp.save(_state(4), ckpt)
+    _check_version(ckpt, 4)
+
+
+def test_rank_killed_mid_save_loses_nothing(tmp_path: Path) -> None:
+    with pytest.raises(DistributedTestError):
+        run_distributed(_save_then_die, 2, tmp_path, timeout=60.0)
+    names = os.listdir(tmp_path)
+    assert LOCK_NAME in names  # left by the dead coordinator: stale
+    run_distributed(_load_and_resave, 2, tmp_path, timeout=120.0)
+    assert LOCK_NAME not in os.listdir(tmp_path)
+
+
+def _interrupted_install(ckpt: Path) -> None:
+    dcp.save(_state(1), ckpt)
+    real_install = commit._install
+    commit._install = lambda ckpt, record: (_ for _ in ()).throw(OSError("crash after record"))  # type: ignore[assignment]
+    try:
+        with pytest.raises(OSError, match="crash after record"):
+            dcp.save(_state(2), ckpt)
+    finally:
+        commit._install = real_install  # type: ignore[assignment]
+    dist.barrier()
+    # The record committed version 2; its staged files are read in place ...
+    _check_version(ckpt, 2)
+    # ... and the next save finishes the renames before its own.
+    dcp.save(_state(3), ckpt)
+    _check_version(ckpt, 3)
+
+
+def test_commit_interrupted_after_the_record_rolls_forward(tmp_path: Path) -> None:
+    run_distributed(_interrupted_install, 2, tmp_path, timeout=120.0)
+    assert not any(n.endswith(".pending") for n in os.listdir(tmp_path))
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def _slow_save(ckpt: Path, version: int, started: str | None) -> str:
+    def slow(bucket: Any, fs: Any, sync: bool) -> Any:
+        if started:
+            Path(started).touch()
+        time.sleep(4)
+        from dist_checkpointing.engine.storage.write_workers import write_bucket_file
+
+        return write_bucket_file(bucket, fs, sync)
+
+    if started:
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(slow)  # type: ignore[method-assign]
+    try:
+        dcp.save(_state(version), ckpt)
+    except ConcurrentSaveError as exc:
+        return f"ConcurrentSaveError: {exc}"
+    except RankFailureError as exc:
+        return f"RankFailureError: {exc}"
+    return "saved"
+
+
+def test_two_jobs_saving_at_once_one_wins(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    started = tmp_path / "a_started"
+    results: dict[str, Any] = {}
+
+    def job_a() -> None:
+        results["a"] = run_distributed(_slow_save, 2, ckpt, 1, str(started), timeout=120.0)
+
+    thread = threading.Thread(target=job_a)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    results["b"] = run_distributed(_slow_save, 2, ckpt, 2, None, timeout=120.0)
+    thread.join()
+    assert results["a"] == ["saved", "saved"]
+    assert all(r.startswith(("ConcurrentSaveError", "RankFailureError")) for r in results["b"])
+    assert "another save is writing" in results["b"][0]
+    run_distributed(_check_version, 2, ckpt, 1, timeout=60.0)  # exactly the winner's
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def _save_v1(ckpt: Path) -> None:
+    dcp.save(_state(1), ckpt)
+
+
+def _save_version(ckpt: Path, version: int) -> None:
+    dcp.save(_state(version), ckpt)
+
+
+def _load_expect(ckpt: Path, verify: bool | None) -> str:
+    try:
+        _load_all(ckpt, verify_checksums=verify)
+    except CheckpointingException as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def _item_location(ckpt: Path, key: str) -> tuple[str, int, int]:
+    from dist_checkpointing.engine.storage.reader import FileSystemReader
+
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    for index, info in md.storage_data.items():
+        if index.fqn == key and (index.offset is None or index.offset[0] == 0):
+            return info.relative_path, info.offset, info.length
+    raise AssertionError(key)
+
+
+def test_flipped_bit_fails_the_load_on_every_rank(tmp_path: Path) -> None:
+    run_distributed(_save_v1, 2, tmp_path, timeout=60.0)
+    name, offset, length = _item_location(tmp_path, "v")
+    path = tmp_path / name
+    data = bytearray(path.read_bytes())
+    data[offset + length - 200] ^= 0x10
+    path.write_bytes(bytes(data))
+    results = run_distributed(_load_expect, 2, tmp_path, None, timeout=60.0)
+    for r in results:
+        assert r.startswith(("ChecksumMismatchError", "RankFailureError")), r
+        assert name in r and "'v'" in r, r
+    assert any(r.startswith("ChecksumMismatchError") for r in results)
+    # Turned off, the damage goes through (as with Megatron-Core or plain DCP).
+    assert run_distributed(_load_expect, 2, tmp_path, False, timeout=60.0) == ["loaded"] * 2
+    report = run_distributed(dcp.verify, 2, tmp_path, None, raise_on_error=False, timeout=60.0)
+    assert report[0].problems == report[1].problems and len(report[0].problems) == 1
+    assert name in report[0].problems[0]
+
+
+def test_metadata_from_another_save_is_refused(tmp_path: Path) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    run_distributed(_save_v1, 2, first, timeout=60.0)
+    run_distributed(_save_version, 2, second, 2, timeout=60.0)  # same structure, another save
+    # (metadata.json of either save is byte-identical: nothing to tell apart, nothing wrong.)
+    for name in (".metadata", "common.pt"):
+        victim = tmp_path / f"victim-{name}"
+        shutil.copytree(first, victim)
+        shutil.copy(second / name, victim / name)
+        results = run_distributed(_load_expect, 2, victim, None, timeout=60.0)
+        for r in results:
+            assert "ForeignFileError" in r or "RankFailureError" in r, (name, r)
+            assert name in r and "another save" in r, (name, r)
+
+
+def test_truncated_and_missing_files(tmp_path: Path) -> None:
+    run_distributed(_save_v1, 2, tmp_path, timeout=60.0)
+    name, _, _ = _item_location(tmp_path, "w")
+    path = tmp_path / name
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointingException, match="truncated"):
+        dcp.verify(tmp_path)
+    path.unlink()
+    with pytest.raises(IncompleteCheckpointError, match=name):
+        dcp.verify(tmp_path)
+    (tmp_path / "common.pt").unlink()
+    results = run_distributed(_load_expect, 2, tmp_path, None, timeout=60.0)
+    assert all("common.pt" in r and "missing" in r for r in results), results
+
+
+def test_megatron_checkpoint_verifies_as_unavailable(tmp_path: Path) -> None:
+    golden = Path(__file__).parents[1] / "data" / "golden" / "mcore-0.19.2" / "tp2_basic"
+    report = dcp.verify(golden / "checkpoint")
+    assert report.ok and report.checksums == "unavailable" and report.save_id is None
+
+
+def test_verify_splits_the_work_over_ranks(tmp_path: Path) -> None:
+    run_distributed(_save_v1, 2, tmp_path, timeout=60.0)
+    reports = run_distributed(dcp.verify, 2, tmp_path, timeout=60.0)
+    single = dcp.verify(tmp_path)
+    assert reports[0] == reports[1]
+    assert reports[0].files_checked == single.files_checked == len(os.listdir(tmp_path)) - 1
+    assert reports[0].bytes_checked == single.bytes_checked > 0
+
+
+def _corrupt_and_load(ckpt: Path) -> str:
+    try:
+        out = _load_all(ckpt)
+    except CheckpointingException as exc:
+        return f"error: {type(exc).__name__}"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"FOREIGN {type(exc).__name__}: {exc}"
+    same = all(torch.equal(out[k], _full(k, 1)) for k in ("w", "v")) and out["step"] == 1
+    return "exact" if same else "WRONG VALUES"
+
+
+def test_random_corruption_never_loads_wrong_values(tmp_path: Path) -> None:
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    run_distributed(_save_v1, 1, pristine, timeout=60.0)
+    files = sorted(n for n in os.listdir(pristine) if n != LOCK_NAME)
+    counter = [0]
+
+    @hypothesis.settings(max_examples=20, deadline=None, derandomize=True)
+    @hypothesis.given(
+        st.sampled_from(files), st.floats(0, 1), st.integers(1, 64), st.integers(0, 255)
+    )
+    def check(name: str, where: float, n: int, value: int) -> None:
+        counter[0] += 1
+        victim = tmp_path / f"v{counter[0]}"
+        shutil.copytree(pristine, victim)
+        data = bytearray((victim / name).read_bytes())
+        at = int(where * max(len(data) - 1, 0))
+        data[at : at + n] = bytes([value]) * len(data[at : at + n])
+        (victim / name).write_bytes(bytes(data))
+        (result,) = run_distributed(_corrupt_and_load, 1, victim, timeout=60.0)
+        assert result == "exact" or result.startswith("error: "), (name, at, n, result)
+        shutil.rmtree(victim)
+
+    check()
