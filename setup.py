@@ -35,7 +35,8 @@ setup(
     include_package_data=False,
     zip_safe=False,
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy", "psutil"],
+    # crc32c: the checksums of every item (hardware CRC32C, ~15 GB/s per core).
+    install_requires=["torch>=2.4", "numpy", "psutil", "crc32c>=2.4"],
     extras_require={
         "dev": DEV_REQUIRES + DOCS_REQUIRES,
         "docs": DOCS_REQUIRES,
