@@ -164,22 +164,22 @@ def nested_paths_iter(
             yield prefix + (k,), v
 
 
-def dict_map(f: Callable[[Any], Any], x: dict[Any, Any]) -> None:
+def dict_map(f: Callable[[Any], Any], d: dict[Any, Any]) -> None:
     """Apply ``f`` to every leaf of a nested dict in place (lists are leaves)."""
-    for k, v in x.items():
+    for k, v in d.items():
         if isinstance(v, dict):
             dict_map(f, v)
         else:
-            x[k] = f(v)
+            d[k] = f(v)
 
 
-def dict_map_with_key(f: Callable[[Any, Any], Any], x: dict[Any, Any]) -> None:
+def dict_map_with_key(f: Callable[[Any, Any], Any], d: dict[Any, Any]) -> None:
     """Like :func:`dict_map`, with ``f(key, value)``."""
-    for k, v in x.items():
+    for k, v in d.items():
         if isinstance(v, dict):
             dict_map_with_key(f, v)
         else:
-            x[k] = f(k, v)
+            d[k] = f(k, v)
 
 
 def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:

@@ -19,9 +19,11 @@ exchanged tensors arrive on the CPU.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections import defaultdict
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from itertools import zip_longest
 from typing import Any, NamedTuple, TypeVar
 
@@ -35,6 +37,21 @@ from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from .utils import _sharded_tensor_shard_id, _ShardId
 
 logger = logging.getLogger(__name__)
+
+# Whether Transformer Engine (whose Float8Tensor this module recognises) is installed;
+# only looked up, never imported.
+HAVE_TE_FLOAT8TENSOR = importlib.util.find_spec("transformer_engine") is not None
+
+
+def is_float8tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a Transformer Engine ``Float8Tensor`` (recognised by its
+    class, without importing Transformer Engine). Plain tensors of a float8 dtype are
+    not: they exchange like any other tensor."""
+    return any(
+        cls.__name__ == "Float8Tensor" and cls.__module__.startswith("transformer_engine")
+        for cls in type(tensor).__mro__
+    )
+
 
 T = TypeVar("T")
 
@@ -68,18 +85,25 @@ def _shard_size(sh_ten: ShardedTensor) -> int:
 
 
 def distribute_shards_to_ranks(
-    shard_to_ranks: dict[T, list[int]], shard_to_size: dict[T, int], num_ranks: int
+    shard_to_ranks: dict[T, list[int]],
+    shard_to_size: dict[T, int],
+    num_ranks: int,
+    cross_parallelization_group_loads: AbstractSet[T] = frozenset(),
 ) -> dict[T, int]:
     """Assign each shard to one of the ranks that have it, balancing bytes per rank.
 
-    Greedy and deterministic (every rank computes the same result): shards
+    Greedy and deterministic (every rank computes the same result): shards in
+    ``cross_parallelization_group_loads`` (loads whose main replica lies in another
+    group) last, so that load and save assignments stay alike; then shards
     available on fewer ranks first, then larger shards first, then by id; each
     goes to the least loaded of its ranks (ties to the lowest rank).
     """
     load = [0] * num_ranks
     assignment: dict[T, int] = {}
+    cross = cross_parallelization_group_loads
     order = sorted(
-        shard_to_ranks.items(), key=lambda kv: (len(kv[1]), -shard_to_size[kv[0]], kv[0])
+        shard_to_ranks.items(),
+        key=lambda kv: (int(kv[0] in cross), len(kv[1]), -shard_to_size[kv[0]], kv[0]),
     )
     for shard_id, ranks in order:
         rank = min(set(ranks), key=lambda r: (load[r], r))

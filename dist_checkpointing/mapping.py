@@ -16,6 +16,7 @@ Same classes, parameters and semantics as Megatron-Core's
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import chain
@@ -51,6 +52,8 @@ from ._sharded_base import (
     is_main_replica,
 )
 from .errors import MappingError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ReplicaId",

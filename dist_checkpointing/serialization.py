@@ -52,6 +52,7 @@ from .strategies.base import (
     resolve_strategy,
 )
 from .validation import (
+    CkptShardedMetadata,
     StrictHandling,
     gather_shard_records,
     local_metadata_of,
@@ -77,6 +78,7 @@ __all__ = [
     "get_default_save_common_strategy",
     "get_default_load_sharded_strategy",
     "verify_checkpoint_and_load_strategy",
+    "CkptShardedMetadata",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -203,10 +205,10 @@ def save(
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict]
     | None = None,
+    content_metadata: dict[str, Any] | None = None,
     *,
     async_strategy: str | None = None,
     verify_integrity: bool = False,
-    content_metadata: dict[str, Any] | None = None,
     process_group: ProcessGroup = None,
 ) -> AsyncRequest | None:
     """Save a sharded state dict to ``checkpoint_dir`` (collective: every rank calls it).

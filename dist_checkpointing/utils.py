@@ -7,6 +7,7 @@ sharded leaves.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -23,6 +24,9 @@ from .mapping import (
     ShardedTensorFactory,
     StateDict,
 )
+
+# Megatron-Core's name for this module's logger (used when no logger is passed).
+fallback_logger = logging.getLogger(__name__)
 
 # What identifies one shard across ranks: (key, global offset, flat range or ()).
 _ShardId = tuple[Any, ...]

@@ -16,6 +16,10 @@ from enum import Enum
 
 import torch.distributed as dist
 
+from ._integrity_api import INTEGRITY_FNAME as INTEGRITY_FNAME
+from ._integrity_api import save_integrity_manifest as save_integrity_manifest
+from ._integrity_api import verify_checkpoint as verify_checkpoint
+from ._integrity_api import verify_integrity_manifest as verify_integrity_manifest
 from .core import CheckpointingConfig, maybe_load_config
 from .dict_utils import diff, extract_matching_values, nested_values
 from .engine import knobs
@@ -113,9 +117,18 @@ def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
     raise InvalidArgumentError(f"Invalid strict flag {strict!r}; expected one of {options}")
 
 
-def validate_sharding_integrity(global_metadata: GlobalMetadata) -> None:
+def validate_sharding_integrity(
+    global_metadata: GlobalMetadata, common_state_dict: CommonStateDict | None = None
+) -> None:
     """Raise :class:`ShardingError` listing every sharding problem (see
-    :func:`sharding_integrity_problems`)."""
+    :func:`sharding_integrity_problems`).
+
+    With ``common_state_dict`` (Megatron-Core's second parameter) first compare the
+    common state across the world and warn where it differs
+    (:func:`validate_common_state_dict`; collective).
+    """
+    if common_state_dict is not None:
+        validate_common_state_dict(common_state_dict)
     validate_sharding_integrity_from_problems(sharding_integrity_problems(global_metadata))
 
 

@@ -6,6 +6,8 @@ is the import path Megatron-Core users already write.
 
 from __future__ import annotations
 
+import logging
+
 from ..engine.async_save import (
     AsyncCaller,
     AsyncCallsQueue,
@@ -13,6 +15,8 @@ from ..engine.async_save import (
     PersistentAsyncCaller,
     TemporalAsyncCaller,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AsyncCaller",

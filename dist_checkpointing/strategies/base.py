@@ -36,7 +36,7 @@ import copy
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from enum import Enum
 from types import MappingProxyType
@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
+from ..engine.async_save import AsyncCallsQueue
 from ..errors import CheckpointingException, IncompatibleStrategyError, StrategyNotFoundError
 from ..mapping import ShardedStateDict, StateDict
 
@@ -220,6 +221,57 @@ def check_compatibility(strategy: object, what: str, found: object, expected: ob
         )
 
 
+class _ActionStrategies(MutableMapping[tuple[str, int], Any]):
+    """The registry's entries of one action, keyed by ``(backend, version)``."""
+
+    def __init__(self, action: str) -> None:
+        self._action = action
+
+    def _keys(self) -> list[tuple[str, int]]:
+        _builtin_registrations()
+        return [(b, v) for a, b, v in _REGISTRY if a == self._action]
+
+    def __getitem__(self, key: tuple[str, int]) -> Any:
+        _builtin_registrations()
+        return _REGISTRY[(self._action, key[0], key[1])]
+
+    def __setitem__(self, key: tuple[str, int], strategy: Any) -> None:
+        backend, version = key
+        _REGISTRY[(self._action, backend, version)] = strategy
+
+    def __delitem__(self, key: tuple[str, int]) -> None:
+        del _REGISTRY[(self._action, key[0], key[1])]
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+
+class _DefaultStrategies(Mapping[str, _ActionStrategies]):
+    """Megatron-Core's ``default_strategies[action.value][(backend, version)]``: a live
+    view of the registry (reads and writes go to it)."""
+
+    def __getitem__(self, action: str) -> _ActionStrategies:
+        action = action.value if isinstance(action, StrategyAction) else action
+        if action not in {a.value for a in StrategyAction}:
+            raise KeyError(action)
+        return _ActionStrategies(action)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(a.value for a in StrategyAction)
+
+    def __len__(self) -> int:
+        return len(StrategyAction)
+
+
+default_strategies = _DefaultStrategies()
+
+# Megatron-Core's module-level queue for async saves (scheduled by the caller).
+async_calls = AsyncCallsQueue()
+
+
 class LoadStrategyBase(ABC):
     """Base of the load strategies: checks that a checkpoint's backend/version fit."""
 
@@ -391,4 +443,6 @@ __all__ = [
     "SaveCommonStrategy",
     "SaveShardedStrategy",
     "AsyncSaveShardedStrategy",
+    "async_calls",
+    "default_strategies",
 ]

@@ -162,3 +162,15 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         raise UnsupportedFeatureError(
             "ShardedObjects are loaded by the torch_dist sharded strategy, not from separate files"
         )
+
+
+def save_common(common_state_dict: StateDict, checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Megatron-Core 0.19's function form: the first rank of the world writes
+    ``common_state_dict`` to ``common.pt`` in ``checkpoint_dir``."""
+    TorchCommonSaveStrategy().save_common(common_state_dict, checkpoint_dir)
+
+
+def load_common(checkpoint_dir: str | os.PathLike[str]) -> StateDict:
+    """Megatron-Core 0.19's function form: the checkpoint's common state, from
+    ``common.pt`` or (0.16+ checkpoints) the ``common_state`` object, loaded safely."""
+    return TorchCommonLoadStrategy().load_common(checkpoint_dir)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import multiprocessing
 import os
 import pickle
 import queue
@@ -472,6 +473,20 @@ class FileSystemWriterAsync(StorageWriter):
 
 _DEFAULT_WRITE_PRELOADED_DATA = FileSystemWriterAsync.write_preloaded_data
 
+# The queue get_write_results_queue hands out (created on first use).
+_results_queue: Any = None
+
+
+def get_write_results_queue(mp_mode: str = "spawn") -> Any:
+    """A queue that write workers of other processes can report to, shared by every
+    caller of this process: a ``multiprocessing`` manager's queue in the ``mp_mode``
+    start-method context, created on the first call. Pass it to
+    :class:`FileSystemWriterAsync` as ``results_queue``."""
+    global _results_queue
+    if _results_queue is None:
+        _results_queue = multiprocessing.get_context(mp_mode).Manager().Queue()
+    return _results_queue
+
 
 @dataclass(frozen=True)
 class _StageFn:
@@ -490,6 +505,7 @@ def _new_uuid() -> str:
 
 
 __all__ = [
+    "get_write_results_queue",
     "FileSystemWriterAsync",
     "storage_data_from_results",
 ]

@@ -22,9 +22,10 @@ exchanges within the group.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,10 @@ from ..exchange_utils import (
 from ..mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ..utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 Path = str | os.PathLike[str]
 
@@ -137,6 +142,9 @@ class FullyParallelSaveStrategyWrapper(_Wrapper, AsyncSaveShardedStrategy):
         strategy: the save strategy that writes (e.g. ``TorchDistSaveShardedStrategy``).
         parallelization_group: the ranks that share the writes (default: the world).
         do_cache_distribution: reuse the assignment while the shards stay the same.
+        backend, version: Megatron-Core 0.19's parameters naming the format written;
+            by default (None) those of ``strategy``, and they must agree with it (the
+            wrapped strategy decides what is written).
     """
 
     base_strategy: SaveShardedStrategy
@@ -146,7 +154,18 @@ class FullyParallelSaveStrategyWrapper(_Wrapper, AsyncSaveShardedStrategy):
         strategy: SaveShardedStrategy,
         parallelization_group: dist.ProcessGroup | None = None,
         do_cache_distribution: bool = False,
+        backend: str | None = None,
+        version: int | None = None,
     ) -> None:
+        for name, given, actual in (
+            ("backend", backend, strategy.backend),
+            ("version", version, strategy.version),
+        ):
+            if given is not None and given != actual:
+                raise CheckpointingException(
+                    f"FullyParallelSaveStrategyWrapper({name}={given!r}) does not match the "
+                    f"wrapped strategy's {name} {actual!r}: the wrapped strategy writes the format"
+                )
         super().__init__(strategy.backend, strategy.version)
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group

@@ -10,6 +10,7 @@ assemble the requested flat ranges back.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from itertools import product
@@ -27,6 +28,8 @@ from ..mapping import (
     apply_factories,
     apply_factory_merges,
 )
+
+logger = logging.getLogger(__name__)
 
 # What restores the original formulation: the factories of the reformulated tensors.
 ReformulationRestoreMetadata = ShardedStateDict

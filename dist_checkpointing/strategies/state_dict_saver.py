@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import torch
@@ -137,8 +137,13 @@ def save_state_dict_async_plan(
     coordinator_rank: int = 0,
     planner: SavePlanner | None = None,
     cached_ckpt_structure: CachedStructure | None = None,
+    loaded_all_plans: list[SavePlan] | None = None,
 ) -> tuple[StorageWriter, Metadata | None, CachedStructure]:
     """Plan a save collectively and prepare the writer's data (steps 1-3 above).
+
+    ``loaded_all_plans`` (Megatron-Core's plans recorded in a loaded checkpoint) is
+    accepted and not needed: reuse is decided from ``cached_ckpt_structure``, so the
+    saved checkpoint is the same with or without it.
 
     Returns:
         ``(storage_writer, metadata, structure)``: the writer ready to write, the
@@ -216,16 +221,61 @@ def _exchange_plans(
     return value, metadata
 
 
+def _group_of(dist_wrapper: Any, coordinator_rank: int | None = None) -> RankGroup:
+    """The RankGroup of a process group (or None: the world) or of an object with a
+    ``group`` attribute (DCP's distributed wrapper, which Megatron-Core passes), whose
+    ``coordinator_rank`` is used unless one is given."""
+    group = dist_wrapper
+    if dist_wrapper is not None and not isinstance(dist_wrapper, dist.ProcessGroup):
+        if not hasattr(dist_wrapper, "group"):
+            raise CheckpointingException(
+                f"expected a process group, None or a wrapper with a 'group' attribute, "
+                f"got {type(dist_wrapper).__name__}"
+            )
+        group = dist_wrapper.group
+        if coordinator_rank is None:
+            coordinator_rank = getattr(dist_wrapper, "coordinator_rank", 0)
+    return RankGroup(group, coordinator_rank or 0)
+
+
+def verify_global_md_reuse(
+    loaded_all_plans: list[SavePlan] | None, local_plan: SavePlan, rank: int, dist_wrapper: Any
+) -> bool:
+    """Whether every rank's ``local_plan`` equals its plan in ``loaded_all_plans`` (the
+    plans a loaded checkpoint recorded), ``storage_data`` aside: then that checkpoint's
+    global metadata could be reused. Collective over ``dist_wrapper`` (a process
+    group, None for the world, or a wrapper with a ``group`` attribute) when plans
+    are given."""
+    if not loaded_all_plans:
+        return False
+    group = _group_of(dist_wrapper)
+    if len(loaded_all_plans) != group.world:
+        return False
+    loaded = loaded_all_plans[rank]
+    same = all(
+        getattr(local_plan, f.name) == getattr(loaded, f.name, None)
+        for f in fields(local_plan)
+        if f.name != "storage_data"
+    )
+    (all_same,) = group.all_reduce_ints([int(same)], op=dist.ReduceOp.MIN)
+    return all_same == 1
+
+
 def save_state_dict_async_finalize(
     storage_writer: StorageWriter,
     global_metadata: Metadata | None,
-    process_group: dist.ProcessGroup | None = None,
-    coordinator_rank: int = 0,
+    dist_wrapper: Any = None,
+    coordinator_rank: int | None = None,
     structure: CachedStructure | None = None,
     planner: SavePlanner | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Collect every rank's write results and commit ``.metadata`` (step 3 above).
 
+    ``dist_wrapper`` says which ranks take part: a process group (None: the world,
+    or ``process_group``), or, as Megatron-Core passes it, DCP's distributed wrapper
+    (any object with a ``group`` and a ``coordinator_rank`` attribute).
     With decentralized planning (``structure.metadata_pending``), every rank also
     sends its plan records and the coordinator builds the metadata with
     ``planner.metadata_from_records``; ``structure`` then caches it.
@@ -234,7 +284,7 @@ def save_state_dict_async_finalize(
         CheckpointWriteError: on every rank, if any rank's write failed or the
             metadata could not be written.
     """
-    group = RankGroup(process_group, coordinator_rank)
+    group = _group_of(dist_wrapper if dist_wrapper is not None else process_group, coordinator_rank)
     pending = structure is not None and structure.metadata_pending
 
     def collect() -> tuple[list[_ResultRecord], Any]:

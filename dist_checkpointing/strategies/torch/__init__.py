@@ -6,6 +6,15 @@ path), re-exporting the converter, the planners and the strategies.
 
 from __future__ import annotations
 
+from .compat import (
+    HAVE_NVRX,
+    MSC_PREFIX,
+    MCoreMetadata,
+    MCoreSavePlan,
+    get_async_strategy,
+    get_reformulation_metadata,
+    logger,
+)
 from .converter import (
     _replace_sharded_keys_with_state_dict_keys,
     _replace_state_dict_keys_with_sharded_keys,
@@ -24,6 +33,13 @@ from .strategy import (
 )
 
 __all__ = [
+    "HAVE_NVRX",
+    "MSC_PREFIX",
+    "MCoreMetadata",
+    "MCoreSavePlan",
+    "get_async_strategy",
+    "get_reformulation_metadata",
+    "logger",
     "MCoreLoadPlanner",
     "MCoreSavePlanner",
     "TorchDistLoadShardedStrategy",

@@ -108,6 +108,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         cached_metadata: reuse the global plan and metadata of the previous save
             when every rank's local plan is unchanged (no plan exchange).
         separation_hint: key prefix whose items go to files of their own.
+        cpu_shm_mode: Megatron-Core 0.19's choice of staging GPU tensors in CPU shared
+            memory; accepted and kept (``self.cpu_shm_mode``): our writer always stages
+            to host memory that its worker processes can read.
         process_group: the ranks that save together (default: the world).
     """
 
@@ -119,10 +122,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         thread_count: int | None = None,
         cached_metadata: bool = False,
         separation_hint: str | None = None,
+        cpu_shm_mode: bool = False,
         *,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(backend, version)
+        self.cpu_shm_mode = cpu_shm_mode
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = knobs.SAVE_THREAD_COUNT.get(thread_count)
         self.cached_metadata = cached_metadata
@@ -219,6 +224,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Loads ShardedTensors and ShardedObjects from a PyTorch DCP checkpoint.
 
     Args:
+        cache_metadata, stream_ckpt_dequant, checkpoint_name: Megatron-Core 0.19's
+            parameters, accepted and kept as attributes. The parsed ``.metadata`` is
+            cached per checkpoint directory anyway, and FP8 targets are always filled
+            through a staging tensor one at a time (what streaming dequantization is
+            for).
         process_group: the ranks that load together (errors are raised on all).
         trusted: load ShardedObject payloads with plain pickle (only for
             checkpoints you wrote).
@@ -227,11 +237,17 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def __init__(
         self,
+        cache_metadata: bool = False,
+        stream_ckpt_dequant: bool = True,
+        checkpoint_name: str | None = None,
         *,
         process_group: dist.ProcessGroup | None = None,
         trusted: bool = False,
         allowed_types: Sequence[type] = (),
     ) -> None:
+        self.cache_metadata = cache_metadata
+        self.stream_ckpt_dequant = stream_ckpt_dequant
+        self.checkpoint_name = checkpoint_name
         self.process_group = process_group
         self.trusted = trusted
         self.allowed_types = tuple(allowed_types)
