@@ -38,9 +38,9 @@ from ..engine import knobs
 from ..engine.storage import write_workers
 from ..engine.storage.base import FileSystemIO
 from ..engine.storage.bucketing import build_buckets, data_file_prefix
-from ..engine.storage.checksums import DataFileEntry
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.resolve import is_url
+from ..engine.storage.write_results import data_file_checksums, storage_data_from_results
 from ..engine.storage.write_workers import (
     FileResultsQueue,
     ResultsQueue,
@@ -60,27 +60,6 @@ DEFAULT_PER_THREAD_COPY_AHEAD = 10_000_000
 
 
 # --------------------------------------------------------------------------- metadata
-
-
-def data_file_checksums(results: Sequence[Sequence[WriteResult]]) -> dict[str, DataFileEntry]:
-    """Each data file's item checksums (carried by the write results) and size."""
-    files: dict[str, DataFileEntry] = {}
-    for rank_results in results:
-        for r in rank_results:
-            checksum = getattr(r, "checksum", None)
-            if checksum is None:
-                continue
-            entry = files.setdefault(r.storage_data.relative_path, DataFileEntry(0))
-            entry.items.append(checksum)
-            entry.size = max(entry.size, checksum.offset + checksum.length)
-    for entry in files.values():
-        entry.items.sort(key=lambda it: it.offset)
-    return files
-
-
-def storage_data_from_results(results: Sequence[Sequence[WriteResult]]) -> dict[Any, Any]:
-    """``Metadata.storage_data`` (MetadataIndex -> StorageInfo) from all ranks' results."""
-    return {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
 
 
 # --------------------------------------------------------------------------- the writer
@@ -228,10 +207,10 @@ class FileSystemWriterAsync(StorageWriter):
         # .metadata only once committed. Used alone, the writer overwrites data files
         # in place, so the old .metadata goes first (a crash leaves an incomplete
         # directory, never a mix that loads).
-        if self.location.context.stage is None and self.is_coordinator:
-            if self.fs.exists(metadata_path):
-                logger.info("overwriting the checkpoint in %s", self.path)
-                self.fs.remove(metadata_path)
+        session_less = self.location.context.stage is None
+        if session_less and self.is_coordinator and self.fs.exists(metadata_path):
+            logger.info("overwriting the checkpoint in %s", self.path)
+            self.fs.remove(metadata_path)
         if self.rank is not None:
             plan = dataclasses.replace(
                 plan, storage_data=StoragePrefix(data_file_prefix(self.rank))
