@@ -275,6 +275,7 @@ def save(
         commit.abort(ckpt, group)
         raise
     request.add_finalize_fn(finalize)
+    request.add_abort_fn(functools.partial(commit.abort, ckpt, group))
     return request
 
 

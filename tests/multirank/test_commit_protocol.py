@@ -338,3 +338,118 @@ def test_random_corruption_never_loads_wrong_values(tmp_path: Path) -> None:
         shutil.rmtree(victim)
 
     check()
+
+
+# ----------------------------------------------------------------------------- more faults
+
+
+def _disk_full_overwrite(ckpt: Path) -> str:
+    import resource
+
+    dcp.save(_state(1), ckpt)
+    big = {"w": _state(2)["w"], "v": _state(2)["v"]}
+    big["big"] = ShardedTensor.from_rank_offsets(
+        "big", torch.ones(64 * 1024), replica_id=dist.get_rank()
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        with pytest.raises(CheckpointingException) as info:
+            dcp.save(big, ckpt)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    _check_version(ckpt, 1)
+    return str(info.value)
+
+
+def test_disk_full_during_overwrite_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+    messages = run_distributed(_disk_full_overwrite, 2, tmp_path, timeout=120.0)
+    assert any("file size limit" in m or "File too large" in m for m in messages), messages
+
+
+def _async_failure_then_save(ckpt: Path) -> str:
+    from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    dcp.save(_state(1), ckpt)
+
+    def fail(bucket: Any, fs: Any, sync: bool) -> Any:
+        raise OSError("injected async write failure")
+
+    original = FileSystemWriterAsync.write_preloaded_data
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(fail)  # type: ignore[method-assign]
+    queue = AsyncCallsQueue()
+    try:
+        request = dcp.save(_state(2), ckpt, async_sharded_save=True)
+        assert request is not None
+        queue.schedule_async_request(request)
+        with pytest.raises(CheckpointingException) as info:
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        FileSystemWriterAsync.write_preloaded_data = original  # type: ignore[method-assign]
+        queue.close()
+    del request
+    _check_version(ckpt, 1)
+    dcp.save(_state(3), ckpt)  # the failed save's lock is stale: taken over
+    _check_version(ckpt, 3)
+    return str(info.value)
+
+
+def test_failed_async_save_then_a_new_save(tmp_path: Path) -> None:
+    messages = run_distributed(_async_failure_then_save, 2, tmp_path, timeout=120.0)
+    assert all("injected async write failure" in m for m in messages), messages
+
+
+STEPS = ["atomic_write", "rename", "remove"]
+
+
+@pytest.mark.parametrize("fail_at", range(6))
+def test_remove_sharded_tensors_interrupted_at_any_step(
+    tmp_path: Path, fail_at: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dist_checkpointing.engine.storage.local import LocalFileSystem
+
+    sd = {k: ShardedTensor.from_rank_offsets(k, _full(k, 1)) for k in ("model.w", "opt.m", "opt.v")}
+    dcp.save(sd, tmp_path, sharded_strategy=_hinted_strategy())  # opt.* in files of their own
+    calls: list[str] = []
+
+    def counting(name: str) -> Any:
+        real = getattr(LocalFileSystem, name)
+
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(f"{name} {os.path.basename(str(args[0]))}")
+            if len(calls) - 1 == fail_at:
+                raise OSError(f"injected crash at step {fail_at} ({calls[-1]})")
+            return real(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in STEPS:
+        monkeypatch.setattr(LocalFileSystem, name, counting(name))
+    try:
+        dcp.remove_sharded_tensors(tmp_path, "opt.")
+        crashed = False
+    except OSError:
+        crashed = True
+    monkeypatch.undo()
+    # Whatever step it stopped at, the checkpoint loads, verified, as one of the two states.
+    meta = dcp.load_tensors_metadata(tmp_path)
+    assert set(meta) in ({"model.w"}, {"model.w", "opt.m", "opt.v"}), (calls, set(meta))
+    plain = dcp.load_plain_tensors(tmp_path)
+    for key in meta:
+        assert torch.equal(plain[key], _full(key, 1)), key
+    assert dcp.verify(tmp_path).ok
+    if not crashed:
+        assert set(meta) == {"model.w"}
+    # The next save into the directory leaves exactly its own files.
+    dcp.save({"model.w": ShardedTensor.from_rank_offsets("model.w", _full("model.w", 2))}, tmp_path)
+    record = json.loads((tmp_path / "commit.json").read_text())
+    expected = set(record["files"]) | set(record["data_files"]) | {"commit.json"}
+    assert set(os.listdir(tmp_path)) == expected
+
+
+def _hinted_strategy() -> Any:
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy(separation_hint="opt.")

@@ -127,17 +127,22 @@ class AsyncCallsQueue:
                 done = active.async_caller.is_current_async_call_done(blocking, no_dist)
             except CheckpointWriteError:
                 self._drop_oldest()
+                active.async_request.run_abort_fns()
                 raise
             if not done:
                 break
             self._drop_oldest()
             start = time.monotonic()
-            _run_finalize_fns(
-                active.async_request.call_idx,
-                active.async_request.finalize_fns,
-                self.process_group,
-                no_dist,
-            )
+            try:
+                _run_finalize_fns(
+                    active.async_request.call_idx,
+                    active.async_request.finalize_fns,
+                    self.process_group,
+                    no_dist,
+                )
+            except BaseException:
+                active.async_request.run_abort_fns()
+                raise
             logger.debug(
                 "rank %d: finalized async call %d in %.3fs",
                 _global_rank(),

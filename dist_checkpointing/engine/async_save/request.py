@@ -25,6 +25,7 @@ and the finalize functions of that request are not run.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ import torch.distributed as dist
 from ...errors import CheckpointingException
 from ..process import format_current_exception
 from .agreement import _CallStatus, _raise_on_failure, _run_finalize_fns, _settle, _State
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +60,9 @@ class AsyncRequest:
         is_frozen: a frozen request accepts no more finalize functions.
         call_idx: the id given by :meth:`AsyncCallsQueue.schedule_async_request`;
             ranks check that they finalize the same call.
+        abort_fns: called (each once, errors logged) when the call failed on any
+            rank or a finalize function raised, instead of the rest of the
+            finalization (e.g. to release the save lock of the commit protocol).
     """
 
     async_fn: Callable[..., Any] | None
@@ -66,6 +72,7 @@ class AsyncRequest:
     preload_fn: Callable[[], Any] | None = None
     is_frozen: bool = False
     call_idx: int = 0
+    abort_fns: list[Callable[[], Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.async_fn is not None and not callable(self.async_fn):
@@ -98,6 +105,19 @@ class AsyncRequest:
         if not callable(fn):
             raise CheckpointingException(f"finalize function must be callable, got {type(fn)!r}")
         self.finalize_fns.append(fn)
+
+    def add_abort_fn(self, fn: Callable[[], Any]) -> None:
+        """Append ``fn`` to the functions run when the request fails."""
+        self.abort_fns.append(fn)
+
+    def run_abort_fns(self) -> None:
+        """Run the abort functions (after a failure; never raises)."""
+        fns, self.abort_fns[:] = list(self.abort_fns), []
+        for fn in fns:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the original failure is what matters
+                logger.exception("abort function %r of call %d raised", fn, self.call_idx)
 
     def freeze(self) -> AsyncRequest:
         """Return a frozen copy of this request (with its own finalize list)."""
@@ -145,5 +165,10 @@ class AsyncRequest:
             status = _CallStatus(
                 self.call_idx, _State.FAILED, format_current_exception("async_fn raised")
             )
-        _raise_on_failure(_settle(status, process_group, no_dist), "synchronous checkpoint save")
-        _run_finalize_fns(self.call_idx, self.finalize_fns, process_group, no_dist)
+        try:
+            outcome = _settle(status, process_group, no_dist)
+            _raise_on_failure(outcome, "synchronous checkpoint save")
+            _run_finalize_fns(self.call_idx, self.finalize_fns, process_group, no_dist)
+        except BaseException:
+            self.run_abort_fns()
+            raise
