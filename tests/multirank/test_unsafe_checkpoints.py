@@ -12,6 +12,7 @@ import argparse
 import io
 import os
 import pickle
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,14 @@ def _malicious_metadata(ckpt_dir: Path, payload: Any, how: str, protocol: int) -
         metadata.planner_data = {"w": payload}
         raw = pickle.dumps(metadata, protocol=protocol)
     (ckpt_dir / ".metadata").write_bytes(raw)
+    _drop_commit_record(ckpt_dir)
+
+
+def _drop_commit_record(ckpt_dir: Path) -> None:
+    """An attacker who plants a file also deletes the commit record, whose checksums
+    would refuse it before anything is unpickled (see test_planted_file_is_refused_
+    before_unpickling): what remains to stop them is the restricted unpickler."""
+    (ckpt_dir / "commit.json").unlink(missing_ok=True)
 
 
 METADATA_READERS = {
@@ -143,6 +152,22 @@ def test_every_entry_point_reads_dot_metadata_safely(ckpt: Path, marker: Path, e
     assert (ckpt / ".metadata").read_bytes() == before  # nothing was rewritten
 
 
+@pytest.mark.parametrize("name", [".metadata", "common.pt"])
+def test_planted_file_is_refused_before_unpickling(ckpt: Path, marker: Path, name: str) -> None:
+    """With the commit record in place, a planted file fails its checksums first."""
+    from dist_checkpointing.errors import ForeignFileError
+
+    record = (ckpt / "commit.json").read_bytes()
+    if name == ".metadata":
+        _malicious_metadata(ckpt, _exec_payload(marker), "inside_metadata", 2)
+    else:
+        _malicious_common(ckpt, _exec_payload(marker))
+    (ckpt / "commit.json").write_bytes(record)
+    with pytest.raises(ForeignFileError, match=re.escape(name)):
+        dcp.load(_request(), ckpt)
+    assert not marker.exists()
+
+
 def test_malicious_metadata_payload_is_live(ckpt: Path, marker: Path) -> None:
     """Control: plain pickle does run the payload used above."""
     _malicious_metadata(ckpt, _exec_payload(marker), "inside_metadata", 2)
@@ -169,6 +194,7 @@ def test_dot_metadata_cannot_change_a_class_for_the_process(ckpt: Path) -> None:
 
     eq_before = vars(Metadata)["__eq__"]
     (ckpt / ".metadata").write_bytes(_class_mutating_metadata(ckpt))
+    _drop_commit_record(ckpt)
     with pytest.raises(UnsafeCheckpointError) as info:
         dcp.load(_request(), ckpt)
     msg = str(info.value)
@@ -196,6 +222,7 @@ def _malicious_common(ckpt_dir: Path, payload: Any) -> None:
     buf = io.BytesIO()
     torch.save({"step": 3, "hook": payload}, buf)
     (ckpt_dir / "common.pt").write_bytes(buf.getvalue())
+    _drop_commit_record(ckpt_dir)
 
 
 @pytest.mark.parametrize("kind", list(PAYLOADS))
