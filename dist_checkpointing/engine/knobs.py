@@ -22,6 +22,7 @@ ASYNC_WORKER_JOIN_TIMEOUT_S    300.0      wait for a writer process to stop at c
 CHECKSUM_BLOCK_BYTES           1048576    CRC32C block size of new saves (and most a read verifies extra)
 VERIFY_CHECKSUMS               1          verify the checksums of what a load reads (0: off)
 SAVE_LOCK_STALE_S              3600.0     age after which another host's save lock counts as stale
+WRITE_CHECKSUMS                1          checksum data items as they are written (0: off)
 ============================== ========== ===================================================
 """
 
@@ -106,6 +107,9 @@ VERIFY_CHECKSUMS = Knob(
 SAVE_LOCK_STALE_S = Knob(
     "SAVE_LOCK_STALE_S", 3600.0, 0.0, "age after which another host's save lock is stale"
 )
+WRITE_CHECKSUMS = Knob(
+    "WRITE_CHECKSUMS", 1, 0, "checksum data items as they are written (0: off, unverifiable)"
+)
 
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
@@ -121,6 +125,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     CHECKSUM_BLOCK_BYTES,
     VERIFY_CHECKSUMS,
     SAVE_LOCK_STALE_S,
+    WRITE_CHECKSUMS,
 )
 
 __all__ = [
@@ -140,4 +145,5 @@ __all__ = [
     "CHECKSUM_BLOCK_BYTES",
     "VERIFY_CHECKSUMS",
     "SAVE_LOCK_STALE_S",
+    "WRITE_CHECKSUMS",
 ]

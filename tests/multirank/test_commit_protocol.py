@@ -453,3 +453,20 @@ def _hinted_strategy() -> Any:
     from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     return TorchDistSaveShardedStrategy(separation_hint="opt.")
+
+
+def test_saves_without_checksums_commit_every_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WRITE_CHECKSUMS=0: nothing to verify per item, but the record still names (and
+    keeps) every data file, also when the save overwrites a checkpoint."""
+    monkeypatch.setenv("DIST_CKPT_WRITE_CHECKSUMS", "0")
+    sd = {k: ShardedTensor.from_rank_offsets(k, _full(k, 1)) for k in ("w", "v")}
+    for _ in range(2):
+        dcp.save(sd, tmp_path)
+        record = json.loads((tmp_path / "commit.json").read_text())
+        assert record["checksum"]["data_items"] is False
+        assert all(not e["items"] for e in record["data_files"].values())
+        plain = dcp.load_plain_tensors(tmp_path)
+        assert all(torch.equal(plain[k], _full(k, 1)) for k in ("w", "v"))
+        assert dcp.verify(tmp_path).ok

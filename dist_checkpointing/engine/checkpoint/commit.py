@@ -47,6 +47,7 @@ from ...errors import (
     ForeignFileError,
     IncompleteCheckpointError,
 )
+from .. import knobs
 from ..collectives import RankGroup, describe_error
 from ..storage.checksums import DataFileEntry, FileEntry, ItemChecksum, block_crcs, block_size
 from ..storage.location import CheckpointDir
@@ -87,7 +88,7 @@ def _attach(ckpt: CheckpointDir, session: SaveSession) -> None:
     ctx = ckpt.context
     ctx.stage = session.staged_name
     ctx.save_tag = session.data_tag
-    ctx.block_bytes = session.block_bytes
+    ctx.block_bytes = session.block_bytes if knobs.WRITE_CHECKSUMS.get() else 0
     ctx.attachments["session"] = session
     ctx.attachments["save_id"] = session.save_id
 
@@ -195,6 +196,7 @@ def _write_record_and_install(ckpt: CheckpointDir, session: SaveSession, world: 
         files=dict(session.files),
         data_files=dict(session.data_files),
         install=staged,
+        data_checksums=bool(ckpt.context.block_bytes),
     )
     ckpt.fs.atomic_write(ckpt.fs.join(ckpt.root, COMMIT_RECORD), record.to_bytes())
     # --- committed: everything below may be redone by the next save or load.
@@ -345,8 +347,9 @@ def open_for_read(ckpt: CheckpointDir, verify: bool = True) -> CommitRecord | No
     ctx.attachments["record"] = record
     if verify:
         ctx.on_read = _file_verifier(ckpt, record)
-        ctx.item_checksum = _item_lookup(record)
-        ctx.block_bytes = record.block_bytes
+        if record.data_checksums:
+            ctx.item_checksum = _item_lookup(record)
+            ctx.block_bytes = record.block_bytes
     return record
 
 

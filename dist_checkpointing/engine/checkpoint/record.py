@@ -10,7 +10,7 @@ Format (JSON, version 1)::
 
     {"format": "dist_checkpointing.commit", "version": 1,
      "save_id": "<32 hex>", "world_size": 2, "created_unix": 1764043200.0,
-     "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
+     "checksum": {"algorithm": "crc32c", "block_bytes": 1048576, "data_items": true},
      "files": {".metadata": {"size": 1234, "blocks": [crc, ...]}, ...},
      "data_files": {"__0_0.<tag>.distcp": {"size": 4096,
                     "items": [[offset, length, [crc, ...]], ...]}},
@@ -51,6 +51,7 @@ class CommitRecord:
     data_files: dict[str, DataFileEntry] = field(default_factory=dict)
     install: dict[str, str] = field(default_factory=dict)
     created_unix: float = field(default_factory=time.time)
+    data_checksums: bool = True  # False: saved with the WRITE_CHECKSUMS knob off
 
     def names(self) -> set[str]:
         """Every file the committed save consists of (final names)."""
@@ -63,7 +64,11 @@ class CommitRecord:
             "save_id": self.save_id,
             "world_size": self.world_size,
             "created_unix": self.created_unix,
-            "checksum": {"algorithm": ALGORITHM, "block_bytes": self.block_bytes},
+            "checksum": {
+                "algorithm": ALGORITHM,
+                "block_bytes": self.block_bytes,
+                "data_items": self.data_checksums,
+            },
             "files": {n: {"size": e.size, "blocks": e.blocks} for n, e in self.files.items()},
             "data_files": {
                 n: {"size": e.size, "items": [[i.offset, i.length, i.blocks] for i in e.items]}
@@ -113,6 +118,7 @@ def _parse(raw: Any) -> CommitRecord:
         world_size=_int(raw["world_size"], "world_size", 1),
         block_bytes=_int(checksum["block_bytes"], "block_bytes", 1),
         created_unix=float(raw.get("created_unix", 0.0)),
+        data_checksums=checksum.get("data_items", True) is True,
     )
     for name, entry in dict(raw["files"]).items():
         record.files[str(name)] = FileEntry(

@@ -117,20 +117,22 @@ class ChecksumStream:
     everything else (``tell``, ``flush``, ``fileno``...) goes to the wrapped stream.
     """
 
-    def __init__(self, stream: BinaryIO, block_bytes: int | None = None) -> None:
+    def __init__(self, stream: BinaryIO, block_bytes: int) -> None:
         self._stream = stream
-        self._block_bytes = block_bytes or block_size()
+        self._block_bytes = block_bytes  # <= 0: pass bytes through, record nothing
         self._hasher: _BlockHasher | None = None
         self._position = 0
         self._item_start = 0
         self.items: list[ItemChecksum] = []
 
     def begin_item(self) -> None:
-        self._hasher = _BlockHasher(self._block_bytes)
+        if self._block_bytes > 0:
+            self._hasher = _BlockHasher(self._block_bytes)
         self._item_start = self._position
 
-    def end_item(self) -> ItemChecksum:
-        assert self._hasher is not None, "end_item without begin_item"
+    def end_item(self) -> ItemChecksum | None:
+        if self._hasher is None:
+            return None
         item = ItemChecksum(
             self._item_start, self._position - self._item_start, self._hasher.finish()
         )

@@ -12,16 +12,17 @@ from .checksums import DataFileEntry
 
 
 def data_file_checksums(results: Sequence[Sequence[WriteResult]]) -> dict[str, DataFileEntry]:
-    """Each data file's item checksums (carried by the write results) and size."""
+    """Every data file written, with its size and its items' checksums (carried by the
+    write results; none when the save wrote no checksums)."""
     files: dict[str, DataFileEntry] = {}
     for rank_results in results:
         for r in rank_results:
+            info = r.storage_data
+            entry = files.setdefault(info.relative_path, DataFileEntry(0))
+            entry.size = max(entry.size, info.offset + info.length)
             checksum = getattr(r, "checksum", None)
-            if checksum is None:
-                continue
-            entry = files.setdefault(r.storage_data.relative_path, DataFileEntry(0))
-            entry.items.append(checksum)
-            entry.size = max(entry.size, checksum.offset + checksum.length)
+            if checksum is not None:
+                entry.items.append(checksum)
     for entry in files.values():
         entry.items.sort(key=lambda it: it.offset)
     return files

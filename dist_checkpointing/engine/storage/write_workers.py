@@ -60,7 +60,7 @@ class WriteBucket:
     relative_path: str  # the file name recorded in the metadata
     byte_items: list[tuple[WriteItem, Any]] = field(default_factory=list)  # (item, BytesIO)
     tensor_items: list[tuple[WriteItem, torch.Tensor]] = field(default_factory=list)
-    checksum_block_bytes: int = 0  # 0: the CHECKSUM_BLOCK_BYTES knob
+    checksum_block_bytes: int = 0  # 0: no checksums (a save outside the commit protocol)
 
 
 @dataclass
@@ -108,7 +108,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
     results: list[WriteResult] = []
     with fs.open_write(bucket.path) as raw:
         # Every item is checksummed (CRC32C blocks) as its bytes go to the file.
-        stream = ChecksumStream(raw, bucket.checksum_block_bytes or None)
+        stream = ChecksumStream(raw, bucket.checksum_block_bytes)
         offset = 0
         for item, data in bucket.byte_items:
             stream.begin_item()
@@ -134,7 +134,7 @@ BucketWriter = Callable[[WriteBucket, FileSystemIO, bool], list[WriteResult]]
 
 
 def _result(
-    item: WriteItem, relative_path: str, offset: int, length: int, checksum: ItemChecksum
+    item: WriteItem, relative_path: str, offset: int, length: int, checksum: ItemChecksum | None
 ) -> WriteResult:
     result = WriteResult(
         index=item.index,
