@@ -26,6 +26,7 @@ from dist_checkpointing.engine.process import gc_paused
 from dist_checkpointing.errors import CorruptCheckpointError
 
 from .fast_unpickler import _load_fast
+from .metadata_check import check_metadata
 from .restricted_unpickler import _describe, _load_checked
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ def load_metadata(fileobj: BinaryIO, *, source: str = "<.metadata>") -> Metadata
     Raises:
         UnsafeCheckpointError: the pickle references or calls something not allowed;
             the message names the global and ``source``.
-        CorruptCheckpointError: the bytes are truncated or are not a ``Metadata`` pickle.
+        CorruptCheckpointError: the bytes are truncated or are not a ``Metadata`` pickle,
+            or its fields have the wrong types or are inconsistent (overlapping chunks,
+            see :func:`.metadata_check.check_metadata`).
     """
     try:
         data = fileobj.read()
@@ -69,4 +72,5 @@ def load_metadata(fileobj: BinaryIO, *, source: str = "<.metadata>") -> Metadata
             f"{source}: the pickled Metadata has no state_dict_metadata dict, found "
             f"{_describe(entries)}"
         )
+    check_metadata(result, source)
     return result
