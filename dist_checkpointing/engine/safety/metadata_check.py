@@ -11,8 +11,10 @@ unread memory.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from types import ModuleType
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -20,16 +22,20 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
 
-from dist_checkpointing.errors import CorruptCheckpointError
+from dist_checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+from .bounded import short_repr
 
 # Megatron-Core's key for the original shape of an N-D reformulated tensor (in
 # ``Metadata.mcore_data[key]``); kept here so this module imports no strategy.
 ND_REFORMULATED_SHAPE_KEY = "nd_reformulated_orig_global_shape"
 MAX_DIMS = 64
+MAX_NESTING = 512
 MAX_DIM_SIZE = 1 << 62
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -148,6 +154,9 @@ def check_metadata(metadata: Metadata, source: str) -> None:
         elif type(md) is not BytesStorageMetadata:
             raise check.fail(f"key {key[:200]!r}", f"entry is {_short(md)}")
     check.storage(vars(metadata).get("storage_data"))
+    storage_meta = vars(metadata).get("storage_meta")
+    if storage_meta is not None and type(storage_meta) is not StorageMeta:
+        raise check.fail("storage_meta", f"expected a StorageMeta, found {_short(storage_meta)}")
     mcore = vars(metadata).get("mcore_data")
     if mcore is None:
         return
@@ -181,4 +190,60 @@ def first_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
     return None
 
 
-__all__ = ["check_metadata", "first_overlap"]
+_LEAVES = frozenset(
+    {type(None), bool, int, float, complex, str, bytes, bytearray}
+    | {torch.dtype, torch.layout, torch.memory_format, torch.Size}
+)
+
+
+def _children(obj: object) -> list[object]:
+    if type(obj) in (dict, OrderedDict):
+        mapping = cast(dict[object, object], obj)
+        return (
+            [*mapping.keys(), *mapping.values(), *vars(obj).values()]
+            if type(obj) is OrderedDict
+            else [*mapping.keys(), *mapping.values()]
+        )
+    if type(obj) in (list, tuple, set, frozenset):
+        return list(cast(Iterable[object], obj))
+    return list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+
+
+def check_plain(root: object, source: str, max_depth: int = MAX_NESTING) -> None:
+    """Refuse a result that holds a callable, class or module (a pickle may hand one
+    out as data, and whoever uses it could change it for the whole process), or that
+    nests deeper than ``max_depth`` (CPython hashes nested tuples recursively in C).
+
+    Iterative: the height of every object is computed once, whatever its sharing.
+
+    Raises:
+        UnsafeCheckpointError: a callable, class or module.
+        CorruptCheckpointError: too deep.
+    """
+    heights: dict[int, int] = {}
+    entered: set[int] = set()
+    todo: list[tuple[object, bool]] = [(root, False)]
+    while todo:
+        obj, done = todo.pop()
+        if type(obj) in _LEAVES:
+            continue
+        key = id(obj)
+        if done:
+            height = 1 + max((heights.get(id(c), 0) for c in _children(obj)), default=0)
+            if height > max_depth:
+                raise CorruptCheckpointError(f"{source}: it nests deeper than {max_depth} levels")
+            heights[key] = height
+            continue
+        if key in entered:
+            continue
+        entered.add(key)
+        if callable(obj) or isinstance(obj, ModuleType):
+            raise UnsafeCheckpointError(
+                f"{source}: refusing to load: the pickle hands out {_short(obj)} "
+                f"{short_repr(getattr(obj, '__qualname__', ''))} as data"
+            )
+        todo.append((obj, True))
+        todo.extend((child, False) for child in _children(obj))
+
+
+__all__ = ["check_metadata", "check_plain", "first_overlap"]
