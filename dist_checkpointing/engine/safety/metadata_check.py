@@ -10,6 +10,7 @@ unread memory.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -197,6 +198,8 @@ _LEAVES = frozenset(
 
 
 def _children(obj: object) -> list[object]:
+    if isinstance(obj, enum.Enum):  # a member's __dict__ names its class: not data
+        return []
     if type(obj) in (dict, OrderedDict):
         mapping = cast(dict[object, object], obj)
         return (
