@@ -178,6 +178,8 @@ def _finalize_save(
     """Integrity manifest (optional), then the commit marker (every rank calls it)."""
     if verify_integrity:
         names = sharded_strategy.files_written_by(ckpt, group.rank) + common_strategy.files(ckpt)
+        if group.is_coordinator:  # the format's metadata (.metadata) is covered too
+            names += [n for n in sharded_strategy.commit_files if ckpt.has(n)]
         integrity.record(ckpt, group, names)
     config = CheckpointingConfig(
         sharded_strategy.backend,
@@ -365,13 +367,17 @@ def _verify_files_read(
     strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
     request: ShardedStateDict,
 ) -> None:
-    """Check the files this rank reads against the checkpoint's integrity manifest."""
+    """Check the data files this rank reads against the checkpoint's integrity manifest."""
     keys = {
         sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in nested_values(request)
     }
-    sharded, common = strategies
-    files = sharded.files_holding(ckpt, keys) | set(common.files(ckpt))
-    integrity.verify_files(ckpt, files)
+    sharded, _ = strategies  # .metadata and common.pt were checked before unpickling
+    integrity.verify_files(ckpt, sharded.files_holding(ckpt, keys))
+
+
+def _metadata_files(ckpt: CheckpointDir) -> list[str]:
+    """The format metadata files the checkpoint has (covered by its manifest)."""
+    return [name for name in (".metadata",) if ckpt.has(name)]
 
 
 @_gc_paused_call
@@ -416,6 +422,8 @@ def load(
     ckpt = CheckpointDir.of(checkpoint_dir)
     sharded, common = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy, common_strategy)
     strategies = (bind_process_group(sharded, process_group), common)
+    if verify_integrity:  # what is unpickled first is checked before it is
+        integrity.verify_files(ckpt, _metadata_files(ckpt) + list(common.files(ckpt)))
     common_state_dict = common.load_common(ckpt)
     request, nonpersistent, factories = load_preprocess(sharded_state_dict)
     strict = parse_strict_flag(strict)
