@@ -204,3 +204,27 @@ def test_error_message_of_a_memo_shared_structure_is_bounded() -> None:
     for _ in range(64):
         nested = [nested, nested]
     assert len(short_repr(nested)) <= 200
+
+
+def test_large_metadata_loads_unchanged_on_the_big_stack_thread() -> None:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from dist_checkpointing.engine.safety import metadata as metadata_module
+
+    entries = {
+        f"layer.{i}": TensorStorageMetadata(
+            TensorProperties(torch.float32),
+            torch.Size((4, 4)),
+            [ChunkStorageMetadata(torch.Size((0, 0)), torch.Size((4, 4)))],
+        )
+        for i in range(3000)
+    }
+    raw = pickle.dumps(Metadata(entries))
+    nesting = sum(map(raw.count, metadata_module._NESTING_OPCODES))
+    assert nesting > metadata_module._MAIN_THREAD_LEVELS  # takes the thread
+    loaded = load_metadata(io.BytesIO(raw), source="ckpt/.metadata")
+    assert loaded.state_dict_metadata == entries
