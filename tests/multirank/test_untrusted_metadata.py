@@ -91,6 +91,11 @@ def test_first_overlap() -> None:
     assert first_overlap([*grid, ((3, 2), (1, 2))]) is not None
     assert first_overlap([((0, 0), (0, 5)), ((0, 0), (4, 4))]) is None  # empty box
     assert first_overlap([((), ()), ((), ())]) == (0, 1)  # a scalar stored twice
+    assert first_overlap([((0, 0), (2, 2)), ((0, 0), (2, 2))]) == (0, 1)  # a repeated box
+    irregular = [((0, 0), (2, 4)), ((0, 2), (2, 2)), ((0, 1), (2, 2))]
+    assert first_overlap(irregular) is not None
+    flat = [((0, 0, i * 100), (1, 1, 100)) for i in range(4096)]  # one block, 4096 ranks
+    assert first_overlap(flat) is None
 
 
 def _reformulated_regular(md: Metadata) -> None:
