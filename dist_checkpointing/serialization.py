@@ -333,6 +333,8 @@ def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: s
     ckpt = CheckpointDir.of(checkpoint_dir)
     strategy, _ = verify_checkpoint_and_load_strategy(ckpt)
     strategy.remove_sharded_tensors(ckpt, key_prefix)
+    # The manifest covers .metadata, which was rewritten, and the deleted data files.
+    integrity.refresh_manifest(ckpt, _metadata_files(ckpt))
 
 
 def _check_request(

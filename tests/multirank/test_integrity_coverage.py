@@ -78,3 +78,14 @@ def test_deleted_manifest_is_an_error(two: tuple[Path, Path]) -> None:
 def test_intact_checkpoint_loads(two: tuple[Path, Path]) -> None:
     loaded = dcp.load(_request(), two[1], verify_integrity=True)
     assert torch.equal(loaded["w"], torch.arange(8.0) + 2) and loaded["step"] == 2
+
+
+def test_remove_sharded_tensors_keeps_the_manifest_true(tmp_path: Path) -> None:
+    state = {k: ShardedTensor.from_rank_offsets(k, torch.ones(4) * i) for i, k in enumerate("vw")}
+    dcp.save(state, tmp_path, verify_integrity=True)
+    dcp.remove_sharded_tensors(tmp_path, "w")
+    files = json.loads((tmp_path / INTEGRITY_FNAME).read_text())["files"]
+    assert all((tmp_path / name).is_file() for name in files)
+    request = {"v": ShardedTensor.from_rank_offsets("v", torch.zeros(4))}
+    loaded = dcp.load(request, tmp_path, verify_integrity=True)
+    assert torch.equal(loaded["v"], torch.zeros(4))

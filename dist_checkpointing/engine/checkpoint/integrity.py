@@ -85,6 +85,18 @@ def read_manifest(ckpt: CheckpointDir) -> dict[str, str] | None:
     return out
 
 
+def refresh_manifest(ckpt: CheckpointDir, changed: Iterable[str]) -> None:
+    """After a maintenance step rewrote ``changed`` files (e.g. ``.metadata`` in
+    ``remove_sharded_tensors``): re-digest them and drop entries of deleted files.
+    A checkpoint without a manifest is left without one."""
+    manifest = read_manifest(ckpt)
+    if manifest is None:
+        return
+    kept = {name: digest for name, digest in manifest.items() if ckpt.has(name)}
+    kept.update(digest_files(ckpt, [name for name in changed if ckpt.has(name)]))
+    write_manifest(ckpt, kept)
+
+
 def verify_files(ckpt: CheckpointDir, names: Iterable[str]) -> None:
     """Check the given files against ``integrity.json``.
 
@@ -119,6 +131,7 @@ __all__ = [
     "file_digest",
     "read_manifest",
     "record",
+    "refresh_manifest",
     "verify_files",
     "write_manifest",
 ]
