@@ -222,3 +222,12 @@ def test_checkpoint_dir_entry_is_the_one_helper(ckpt: Path) -> None:
     assert handle.entry(f"./{DATA}", source="x") == DATA
     with pytest.raises(UnsafeCheckpointError):
         handle.entry("../x", source="x")
+
+
+def test_writers_target_names_pass_the_same_check() -> None:
+    from dist_checkpointing.engine.storage.bucketing import data_file_name
+
+    assert data_file_name("__0_", 2, "optimizer.") == "optimizer.__0_2.distcp"
+    for hint in ("../evil.", "/tmp/evil.", "sub/"):
+        with pytest.raises(UnsafeCheckpointError, match="save: refusing file name"):
+            data_file_name("__0_", 0, hint)

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from ..._torch_compat import DATA_FILE_SUFFIX
 from ...errors import CheckpointingException
 from .item_template import _itemsize
+from .names import safe_name
 from .write_workers import WriteBucket
 
 
@@ -30,7 +31,9 @@ def data_file_name(prefix: str, n: int, separation_hint: str = "") -> str:
     """The name of data file ``n`` with ``prefix`` (see :func:`data_file_prefix`);
     files of items separated by ``separation_hint`` start with the hint, as
     Megatron-Core names them (``optimizer.__0_2.distcp``)."""
-    return f"{separation_hint}{prefix}{n}{DATA_FILE_SUFFIX}"
+    # The same check as every name read from a checkpoint: a hint such as "../x."
+    # must not place a data file outside the checkpoint directory.
+    return safe_name(f"{separation_hint}{prefix}{n}{DATA_FILE_SUFFIX}", source="save")
 
 
 def is_data_file_of(name: str, rank: int) -> bool:
