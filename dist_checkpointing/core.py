@@ -73,7 +73,16 @@ def maybe_load_config(checkpoint_dir: str | os.PathLike[str]) -> CheckpointingCo
     unknown = set(raw) - known
     if unknown:
         logger.debug("Ignoring unknown fields %s in %s", sorted(unknown), path)
-    return CheckpointingConfig(**{k: v for k, v in raw.items() if k in known})
+    values = {k: v for k, v in raw.items() if k in known}
+    for f in fields(CheckpointingConfig):
+        want = int if f.name.endswith("_version") else str
+        value = values.get(f.name)
+        if f.name in values and type(value) is not want:  # bool is not int
+            raise CorruptCheckpointError(
+                f"{path}: field {f.name!r} must be {want.__name__}, found "
+                f"{type(value).__name__} {str(value)[:80]!r}"
+            )
+    return CheckpointingConfig(**values)
 
 
 def config_bytes(config: CheckpointingConfig) -> bytes:

@@ -182,6 +182,8 @@ def _finalize_save(
         if verify_integrity:
             names = sharded_strategy.files_written_by(ckpt, group.rank)
             names += common_strategy.files(ckpt)
+            if group.is_coordinator:  # the format's metadata (.metadata) is covered too
+                names += [n for n in sharded_strategy.commit_files if ckpt.has(n)]
             integrity.record(ckpt, group, names)
         config = CheckpointingConfig(
             sharded_strategy.backend,
@@ -269,8 +271,7 @@ def save(
             sharded.save(sharded_part, ckpt)
             finalize()
             return None
-        assert isinstance(sharded, AsyncSaveShardedStrategy)
-        request = sharded.async_save(sharded_part, ckpt)
+        request = expect_strategy(sharded, AsyncSaveShardedStrategy).async_save(sharded_part, ckpt)
     except BaseException:
         commit.abort(ckpt, group)
         raise
@@ -373,6 +374,8 @@ def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: s
     ckpt = CheckpointDir.of(checkpoint_dir)
     strategy, _ = verify_checkpoint_and_load_strategy(ckpt)
     strategy.remove_sharded_tensors(ckpt, key_prefix)
+    # The manifest covers .metadata, which was rewritten, and the deleted data files.
+    integrity.refresh_manifest(ckpt, _metadata_files(ckpt))
 
 
 def _check_request(
@@ -407,13 +410,17 @@ def _verify_files_read(
     strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
     request: ShardedStateDict,
 ) -> None:
-    """Check the files this rank reads against the checkpoint's integrity manifest."""
+    """Check the data files this rank reads against the checkpoint's integrity manifest."""
     keys = {
         sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in nested_values(request)
     }
-    sharded, common = strategies
-    files = sharded.files_holding(ckpt, keys) | set(common.files(ckpt))
-    integrity.verify_files(ckpt, files)
+    sharded, _ = strategies  # .metadata and common.pt were checked before unpickling
+    integrity.verify_files(ckpt, sharded.files_holding(ckpt, keys))
+
+
+def _metadata_files(ckpt: CheckpointDir) -> list[str]:
+    """The format metadata files the checkpoint has (covered by its manifest)."""
+    return [name for name in (".metadata",) if ckpt.has(name)]
 
 
 @_gc_paused_call
@@ -467,6 +474,8 @@ def load(
             ckpt, sharded_strategy, common_strategy, verify_checksums=verify_checksums
         )
         strategies = (bind_process_group(sharded, process_group), common)
+        if verify_integrity:  # what is unpickled first is checked before it is
+            integrity.verify_files(ckpt, _metadata_files(ckpt) + list(common.files(ckpt)))
         common_state_dict = common.load_common(ckpt)
         request, nonpersistent, factories = load_preprocess(sharded_state_dict)
         strict_mode = parse_strict_flag(strict)

@@ -69,7 +69,10 @@ def _flip_byte_in(path: Path, needle: bytes) -> None:
 def test_manifest_records_every_written_file(ckpt: Path) -> None:
     manifest = json.loads((ckpt / INTEGRITY_FNAME).read_text())
     assert manifest["algorithm"] == "sha256"
-    names = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) + ["common.pt"]
+    names = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) + [
+        "common.pt",
+        ".metadata",
+    ]
     assert sorted(manifest["files"]) == sorted(names)
     for name in names:
         assert manifest["files"][name] == _sha256(ckpt / name), name
@@ -204,7 +207,7 @@ def test_every_rank_digests_its_files(tmp_path: Path) -> None:
     files = json.loads((tmp_path / INTEGRITY_FNAME).read_text())["files"]
     data_files = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
     assert {n[:3] for n in data_files} == {"__0", "__1"}  # both ranks wrote files
-    assert sorted(files) == sorted(data_files + ["common.pt"])
+    assert sorted(files) == sorted(data_files + ["common.pt", ".metadata"])
     for name in files:
         assert files[name] == _sha256(tmp_path / name), name
 

@@ -309,6 +309,8 @@ def replace_files(ckpt: CheckpointDir, new_files: dict[str, bytes], delete: Iter
         lock.release(ckpt, session.save_id)
         for key in (COMMIT_RECORD, *new_files):
             ckpt.forget(key)
+    if ckpt.context.attachments.get("record") is not None:  # a load set up this handle
+        open_for_read(ckpt, verify=ckpt.context.on_read is not None)
 
 
 def _remove_quietly(ckpt: CheckpointDir, name: str) -> None:

@@ -20,6 +20,7 @@ from ...errors import CheckpointingException, CorruptCheckpointError
 from .. import knobs
 from ..collectives import RankGroup
 from ..storage.location import CheckpointDir
+from . import commit
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,14 @@ def digest_files(ckpt: CheckpointDir, names: Iterable[str]) -> dict[str, str]:
     return {n: file_digest(ckpt, n) for n in sorted(set(names))}
 
 
-def write_manifest(ckpt: CheckpointDir, digests: dict[str, str]) -> None:
-    """Write ``integrity.json`` durably and atomically."""
+def _manifest_bytes(digests: dict[str, str]) -> bytes:
     body = {"version": 1, "algorithm": "sha256", "files": dict(sorted(digests.items()))}
-    ckpt.atomic_write(INTEGRITY_FNAME, json.dumps(body).encode())
+    return json.dumps(body).encode()
+
+
+def write_manifest(ckpt: CheckpointDir, digests: dict[str, str]) -> None:
+    """Write ``integrity.json`` durably and atomically (staged during a save)."""
+    ckpt.atomic_write(INTEGRITY_FNAME, _manifest_bytes(digests))
 
 
 def record(ckpt: CheckpointDir, group: RankGroup, names: Iterable[str]) -> None:
@@ -85,6 +90,19 @@ def read_manifest(ckpt: CheckpointDir) -> dict[str, str] | None:
     return out
 
 
+def refresh_manifest(ckpt: CheckpointDir, changed: Iterable[str]) -> None:
+    """After a maintenance step rewrote ``changed`` files (e.g. ``.metadata`` in
+    ``remove_sharded_tensors``): re-digest them and drop entries of deleted files.
+    A checkpoint without a manifest is left without one."""
+    manifest = read_manifest(ckpt)
+    if manifest is None:
+        return
+    kept = {name: digest for name, digest in manifest.items() if ckpt.has(name)}
+    kept.update(digest_files(ckpt, [name for name in changed if ckpt.has(name)]))
+    # Committed like any rewrite of a checkpoint file (the record names its checksums).
+    commit.replace_files(ckpt, {INTEGRITY_FNAME: _manifest_bytes(kept)}, ())
+
+
 def verify_files(ckpt: CheckpointDir, names: Iterable[str]) -> None:
     """Check the given files against ``integrity.json``.
 
@@ -119,6 +137,7 @@ __all__ = [
     "file_digest",
     "read_manifest",
     "record",
+    "refresh_manifest",
     "verify_files",
     "write_manifest",
 ]

@@ -9,6 +9,13 @@ A checkpoint holds two kinds of pickles:
 * ``torch.save`` payloads (``common.pt``, ShardedObject bytes):
   :func:`safe_torch_load` (:mod:`.torch_load`), ``weights_only`` semantics
   unless the caller trusts the file.
+
+Before and after unpickling, bounds for files made by someone else:
+:mod:`.pickle_scan` (nesting depth and collidable dict keys of ``torch.save``
+payloads, from their opcodes), :mod:`.metadata_check` (the structure of a
+``.metadata``: field types, chunk overlap, N-D reformulation; no callable or class
+handed out as data), :mod:`.bounded` (error messages in bounded time). File names
+from a checkpoint are checked by :mod:`..storage.names`.
 """
 
 from __future__ import annotations

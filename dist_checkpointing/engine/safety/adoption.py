@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .allowlist import _is_dunder, _Token
+from .bounded import short_repr
 from .shadows import _Shadows
 
 # Leaves of a metadata pickle: values that hold no object references to check.
@@ -27,7 +28,9 @@ _ATOMIC: frozenset[type] = frozenset(
 _CONTAINERS: frozenset[type] = frozenset({dict, OrderedDict, list, tuple, set, frozenset})
 
 
-_BATCH = 4096  # objects handled together; small enough to stay in the CPU caches
+_BATCH = 4096
+
+_MAX_LEVELS = 512  # deeper results go to the checked unpickler, which refuses them  # objects handled together; small enough to stay in the CPU caches
 
 
 def _bad_names(attrs: Mapping[Any, object]) -> list[object]:
@@ -65,7 +68,11 @@ class _Adoption:
     def run(self, root: object) -> str | None:
         """Adopt everything reachable from ``root``; None, or why it is not plain data."""
         reason = self._queue([root])
+        levels = 0
         while reason is None and self._queued:
+            levels += 1
+            if levels > _MAX_LEVELS:
+                return f"nesting deeper than {_MAX_LEVELS} levels"
             level, self._queued = self._queued, {}
             for kind, objs in level.items():
                 reason = self._adopt(kind, objs)
@@ -118,7 +125,7 @@ class _Adoption:
         else:  # extra attributes (Megatron's on Metadata): names must be plain, as in BUILD
             bad = [name for names in map(_bad_names, attrs) for name in names]
             if bad:
-                return f"attribute names {bad!r:.200} on {real.__qualname__}"
+                return f"attribute names {short_repr(bad)} on {real.__qualname__}"
             names = {name for instance_attrs in attrs for name in instance_attrs}
         for name in names:
             values = list(map(dict.get, attrs, repeat(name)))
@@ -147,7 +154,9 @@ class _Adoption:
             attrs = [vars(obj) for obj in objs if kind is OrderedDict and vars(obj)]
             if reason is None and attrs:  # BUILD set attributes on an OrderedDict
                 bad = [name for names in map(_bad_names, attrs) for name in names]
-                reason = f"attribute names {bad!r:.200}" if bad else self._containers(dict, attrs)
+                reason = (
+                    f"attribute names {short_repr(bad)}" if bad else self._containers(dict, attrs)
+                )
             return reason
         items = list(chain.from_iterable(objs))
         reason = self._queue(items)

@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.planner import (
 from dist_checkpointing._torch_compat import StorageInfo, StoragePrefix
 from dist_checkpointing.errors import UnsafeCheckpointError
 
+from .bounded import short_repr
+
 MCORE_SAVE_PLAN_GLOBAL = "megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan"
 
 
@@ -185,7 +187,9 @@ def _path_factory(cls: type[pathlib.PurePath]) -> Callable[..., pathlib.PurePath
     def make_path(*parts: object) -> pathlib.PurePath:
         texts = [part for part in parts if isinstance(part, str)]
         if len(texts) != len(parts):
-            raise pickle.UnpicklingError(f"{cls.__name__} parts must be str, got {parts!r:.200}")
+            raise pickle.UnpicklingError(
+                f"{cls.__name__} parts must be str, got {short_repr(parts)}"
+            )
         return cls(*texts)
 
     return make_path

@@ -25,6 +25,7 @@ from .allowlist import (
     _reconstruct_placeholder,
     _refusal,
 )
+from .bounded import short_repr
 
 
 class _RestrictedUnpickler(pickle._Unpickler):
@@ -58,14 +59,14 @@ class _RestrictedUnpickler(pickle._Unpickler):
         return _find_allowed(self._allow.globals, self._source, module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        raise self._refuse(f"persistent id {pid!r:.200} is not allowed")
+        raise self._refuse(f"persistent id {short_repr(pid)} is not allowed")
 
     def _call(self, func: Any, args: Any) -> Any:
         arity = self._allow.callables.get(id(func))
         if arity is None:
             raise self._refuse(f"calling {_describe(func)} is not allowed")
         if type(args) is not tuple or not arity[0] <= len(args) <= arity[1]:
-            raise self._refuse(f"unexpected arguments for {_describe(func)}: {args!r:.200}")
+            raise self._refuse(f"unexpected arguments for {_describe(func)}: {short_repr(args)}")
         if func is _reconstruct_placeholder:
             return self._reconstruct(*args)
         return func(*args)
@@ -137,7 +138,7 @@ class _RestrictedUnpickler(pickle._Unpickler):
             raise self._refuse(f"state of type {type(state).__name__} for {_describe(inst)}")
         bad = [k for k in state if type(k) is not str or _is_dunder(k)]
         if bad:
-            raise self._refuse(f"attribute names {bad!r:.200} for {_describe(inst)}")
+            raise self._refuse(f"attribute names {short_repr(bad)} for {_describe(inst)}")
         inst.__dict__.update(state)
 
     def _refuse_extension(self) -> None:
@@ -205,5 +206,6 @@ def _load_checked(data: bytes, source: str) -> object:
         raise
     except Exception as exc:  # any other failure means the bytes are not valid metadata
         raise CorruptCheckpointError(
-            f"{source}: checkpoint metadata is truncated or corrupt ({type(exc).__name__}: {exc})"
+            f"{source}: checkpoint metadata is truncated or corrupt "
+            f"({type(exc).__name__}: {str(exc)[:300]})"
         ) from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
@@ -18,6 +19,8 @@ import torch
 from dist_checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 from .allowlist import _py3_name
+from .bounded import short_repr
+from .pickle_scan import check_pickle
 
 _WO_UNSAFE_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
 
@@ -121,13 +124,59 @@ def safe_torch_load(
             message names it, names ``source`` and says how to allow it.
         CorruptCheckpointError: the payload is truncated or not a ``torch.save`` file.
     """
-    stream: BinaryIO = (
-        io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
-    )
     if trusted:
+        stream: BinaryIO = (
+            io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
+        )
         return _torch_load(stream, source, weights_only=False)
-    with torch.serialization.safe_globals(_new_safe_globals(allowed_types)):
-        return _torch_load(stream, source, weights_only=True)
+    raw = bytes(data) if isinstance(data, bytes | bytearray | memoryview) else data.read()
+    check_payload(raw, source)
+    with (
+        torch.serialization.safe_globals(_new_safe_globals(allowed_types)),
+        torch.sparse.check_sparse_tensor_invariants(),
+    ):
+        return _torch_load(io.BytesIO(raw), source, weights_only=True)
+
+
+# More records than any torch.save archive has (one per storage, plus a few).
+MAX_ARCHIVE_RECORDS = 1 << 20
+
+
+def check_payload(raw: bytes, source: str) -> None:
+    """Bounds checked on a ``torch.save`` payload before ``torch.load`` sees it.
+
+    Its records must be stored (``torch.save`` never compresses: a DEFLATE record of
+    1.5 MB would inflate to gigabytes before any check) and fit in the archive, and its
+    ``data.pkl`` must pass :func:`.pickle_scan.check_pickle` (nesting, dict keys).
+
+    Raises:
+        CorruptCheckpointError: naming ``source`` and the record.
+    """
+    if raw[:4] != b"PK\x03\x04":  # not a zip: a legacy payload or a bare pickle
+        check_pickle(raw, source)
+        return
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(raw))
+        records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        return  # torch.load reports it
+    if len(records) > MAX_ARCHIVE_RECORDS:
+        raise CorruptCheckpointError(f"{source}: the archive lists {len(records)} records")
+    for record in records:
+        name = short_repr(record.filename)
+        if record.compress_type != zipfile.ZIP_STORED:
+            raise CorruptCheckpointError(
+                f"{source}: archive record {name} is compressed (method "
+                f"{record.compress_type}); torch.save never compresses, refusing to inflate it"
+            )
+        if max(record.file_size, record.compress_size, record.header_offset) > len(raw):
+            raise CorruptCheckpointError(
+                f"{source}: archive record {name} declares {record.file_size} bytes, more "
+                f"than the archive's {len(raw)}"
+            )
+    pickled = [r for r in records if r.filename.rpartition("/")[2] == "data.pkl"]
+    for record in pickled[:1]:
+        check_pickle(archive.read(record), source)
 
 
 def _torch_load(stream: BinaryIO, source: str, *, weights_only: bool) -> Any:

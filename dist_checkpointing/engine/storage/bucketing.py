@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from ..._torch_compat import DATA_FILE_SUFFIX
 from ...errors import CheckpointingException
 from .item_template import _itemsize
+from .names import safe_name
 from .write_workers import WriteBucket
 
 
@@ -30,10 +31,13 @@ def data_file_name(prefix: str, n: int, separation_hint: str = "", save_tag: str
     """The name of data file ``n`` with ``prefix`` (see :func:`data_file_prefix`);
     files of items separated by ``separation_hint`` start with the hint, as
     Megatron-Core names them (``optimizer.__0_2.distcp``). A save through the
-    commit protocol adds its tag (``__0_2.<tag>.distcp``), so that its files never
-    replace those of the checkpoint it overwrites before it is committed."""
+    commit protocol into a directory that holds checkpoint files adds its tag
+    (``__0_2.<tag>.distcp``), so that its files never replace those of the
+    checkpoint it overwrites before it is committed."""
     tag = f".{save_tag}" if save_tag else ""
-    return f"{separation_hint}{prefix}{n}{tag}{DATA_FILE_SUFFIX}"
+    # The same check as every name read from a checkpoint: a hint such as "../x."
+    # must not place a data file outside the checkpoint directory.
+    return safe_name(f"{separation_hint}{prefix}{n}{tag}{DATA_FILE_SUFFIX}", source="save")
 
 
 def is_data_file_of(name: str, rank: int) -> bool:

@@ -15,12 +15,16 @@ import functools
 import io
 import pickle
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..._torch_compat import legacy_storage_name
+from ...errors import CorruptCheckpointError
+from ..safety.bounded import short_repr
+from ..safety.pickle_scan import check_pickle
 from .item_template import (
     _ARCHIVE,
     _LOCAL,
@@ -61,9 +65,20 @@ class _TensorSpec:
     dtype: torch.dtype
 
 
-@dataclass(frozen=True)
 class _TypedStorageClass:
+    """A legacy typed storage class named by data.pkl (sealed, as :class:`_Sealed`)."""
+
+    __slots__ = ("dtype",)
     dtype: torch.dtype
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        object.__setattr__(self, "dtype", dtype)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise NotFastPath("data.pkl sets an attribute of a storage class")
+
+    def __setstate__(self, state: Any) -> None:
+        raise NotFastPath("data.pkl sets the state of a storage class")
 
 
 _UNTYPED = object()
@@ -109,14 +124,41 @@ def _spec_v3(
     return _TensorSpec(storage, storage_offset, tuple(size), tuple(stride), dtype)
 
 
+class _Sealed:
+    """A callable handed to the unpickler: no ``__dict__``, no settable attribute.
+
+    A BUILD opcode on what ``find_class`` returned must not change this module's
+    functions for the rest of the process (``_spec_v2.__defaults__ = ...``).
+    """
+
+    __slots__ = ("_fn",)
+    _fn: Callable[..., Any]
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise NotFastPath(f"data.pkl sets attribute {short_repr(name)} of a global")
+
+    def __setstate__(self, state: Any) -> None:
+        raise NotFastPath("data.pkl sets the state of a global")
+
+
+_SPEC_V2 = _Sealed(_spec_v2)
+_SPEC_V3 = _Sealed(_spec_v3)
+
+
 class _TensorPickleReader(pickle.Unpickler):
     """Reads ``data.pkl`` of a one-tensor archive into a _TensorSpec; nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _spec_v2
+            return _SPEC_V2
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _spec_v3
+            return _SPEC_V3
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
         if module == "torch.storage" and name == "UntypedStorage":
@@ -132,18 +174,22 @@ class _TensorPickleReader(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise NotFastPath(f"unexpected persistent id {pid!r}")
+            raise NotFastPath(f"unexpected persistent id {short_repr(pid)}")
         _, storage_type, key, _location, numel = pid
         if storage_type is _UNTYPED:
             return _StorageRef(None, str(key), int(numel))
         if isinstance(storage_type, _TypedStorageClass):
             return _StorageRef(storage_type.dtype, str(key), int(numel))
-        raise NotFastPath(f"unexpected storage type {storage_type!r}")
+        raise NotFastPath(f"unexpected storage type {short_repr(storage_type)}")
 
 
 @functools.lru_cache(maxsize=4096)
 def _tensor_spec(pickled: bytes) -> _TensorSpec:
     """The tensor described by ``data.pkl`` (cached: same-shaped tensors share it)."""
+    try:
+        check_pickle(pickled, "data.pkl")
+    except CorruptCheckpointError as exc:
+        raise NotFastPath(str(exc)) from None
     try:
         spec = _TensorPickleReader(io.BytesIO(pickled)).load()
     except NotFastPath:
@@ -243,7 +289,7 @@ def _parse_zip(read_at: ReadAt, length: int) -> TensorRecord:
     if byteorder is not None:
         order = bytes(read_at(_data_start(read_at, byteorder, length), byteorder[3]))
         if order != _NATIVE_ORDER:
-            raise NotFastPath(f"byte order {order!r}")
+            raise NotFastPath(f"byte order {short_repr(order)}")
     data = records.get(prefix + b"data/" + spec.storage.key.encode())
     if data is None:
         raise NotFastPath(f"storage record data/{spec.storage.key} missing")

@@ -13,14 +13,16 @@ verification parses ``.metadata`` once, not three times.
 
 from __future__ import annotations
 
+import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ...errors import CheckpointNotFoundError
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from .base import FileSystemIO, ReadStream
 from .checksums import DataFileEntry, ItemChecksum
+from .names import safe_name
 from .resolve import filesystem_for
 
 T = TypeVar("T")
@@ -92,6 +94,15 @@ class CheckpointDir:
         in its place, if a commit left it under its staged name)."""
         return self.fs.join(self.root, self.context.aliases.get(name, name))
 
+    def entry(self, name: object, *, source: str) -> str:
+        """``name`` read from the checkpoint (at ``source``), checked to be one plain
+        file of this directory and made canonical; see :func:`.names.safe_name`.
+
+        Raises:
+            UnsafeCheckpointError: ``name`` would reach outside the directory.
+        """
+        return safe_name(name, source=source)
+
     def is_dir(self) -> bool:
         """Whether the root exists as a directory."""
         return self.fs.is_dir(self.root)
@@ -116,8 +127,37 @@ class CheckpointDir:
     # ------------------------------------------------------------------ I/O
 
     def open_read(self, name: str) -> ReadStream:
-        """Open file ``name`` for reading (the caller closes it)."""
+        """Open file ``name`` for reading (the caller closes it).
+
+        Only regular files are opened (never through a symlink, never blocking on a
+        FIFO): anything else raises :class:`UnsafeCheckpointError`.
+        """
         return self.fs.open_read(self.path(name))
+
+    def open_data_file(self, name: str, holds: Sequence[str]) -> tuple[ReadStream, int]:
+        """Open data file ``name`` (checked by :meth:`entry`) and return it with its
+        size (of the file opened, not of whatever has its name now).
+
+        Raises:
+            CorruptCheckpointError: the file is missing (the message names the items
+                ``holds`` of it).
+            UnsafeCheckpointError: it is not a regular file.
+        """
+        try:
+            stream = self.open_read(name)
+        except FileNotFoundError:
+            shown = ", ".join(repr(k) for k in holds[:10])
+            raise CorruptCheckpointError(
+                f"data file {self.path(name)} is missing; it holds {shown}"
+                f"{' ...' if len(holds) > 10 else ''}"
+            ) from None
+        try:
+            size = stream.seek(0, io.SEEK_END)
+            stream.seek(0)
+        except BaseException:
+            stream.close()
+            raise
+        return stream, size
 
     def read_bytes(self, name: str) -> bytes:
         """The whole content of file ``name`` (checked against the commit record when

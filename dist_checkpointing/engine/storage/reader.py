@@ -75,7 +75,11 @@ class FileSystemReader(StorageReader):
         self.thread_count = thread_count
         self.fast_path = fast_path
         self.storage_data: dict[Any, Any] = {}
+        self._names: dict[Any, str] = {}  # relative_path -> checked file name
         self.load_id = str(uuid.uuid4())
+
+    def _metadata_path(self) -> str:
+        return self.location.path(METADATA_FILE_NAME)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load (optionally from another directory)."""
@@ -133,6 +137,7 @@ class FileSystemReader(StorageReader):
                 f"(item locations)"
             )
         self.storage_data = metadata.storage_data
+        self._names = {}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -150,7 +155,11 @@ class FileSystemReader(StorageReader):
                 raise CorruptCheckpointError(
                     f"{self.path}: the metadata has no location for {read_item.storage_index}"
                 ) from None
-            per_file.setdefault(info.relative_path, []).append((read_item, info))
+            name = self._names.get(info.relative_path)
+            if name is None:
+                name = self.location.entry(info.relative_path, source=self._metadata_path())
+                self._names[info.relative_path] = name
+            per_file.setdefault(name, []).append((read_item, info))
         lock: AbstractContextManager[Any] = nullcontext()
         if self.thread_count > 1 and len(per_file) > 1:
             lock = threading.Lock()
@@ -188,18 +197,12 @@ class FileSystemReader(StorageReader):
         planner: LoadPlanner,
         lock: AbstractContextManager[Any],
     ) -> None:
-        path = self.fs.join(self.path, relative_path)
+        path = self.location.path(relative_path)
         items = sorted(items, key=lambda pair: pair[1].offset)
-        try:
-            stream = self.fs.open_read(path)
-        except FileNotFoundError:
-            keys = sorted({str(ri.storage_index.fqn) for ri, _ in items})
-            raise CorruptCheckpointError(
-                f"data file {path} is missing; it holds {', '.join(keys[:10])}"
-                f"{' ...' if len(keys) > 10 else ''}"
-            ) from None
+        keys = sorted({str(ri.storage_index.fqn) for ri, _ in items})
+        stream, size = self.location.open_data_file(relative_path, keys)
         with stream:
-            file = DataFile(stream, path, self.fs.file_size(path))
+            file = DataFile(stream, path, size)
             for read_item, info in items:
                 file.check_range(info.offset, info.length, read_item)
             i = 0
@@ -273,7 +276,8 @@ def read_object_bytes(
     info = (metadata.storage_data or {}).get(MetadataIndex(key))
     if info is None:
         return None, f"{reader.path}: no item {key!r}"
-    path = reader.fs.join(reader.path, info.relative_path)
+    name = reader.location.entry(info.relative_path, source=reader._metadata_path())
+    path = reader.location.path(name)
     read_item = ReadItem(
         type=LoadItemType.BYTE_IO,
         dest_index=MetadataIndex(key),
@@ -282,15 +286,12 @@ def read_object_bytes(
         storage_offsets=torch.Size(),
         lengths=torch.Size(),
     )
-    try:
-        stream = reader.fs.open_read(path)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"data file {path} is missing; it holds {key!r}") from None
+    stream, size = reader.location.open_data_file(name, [key])
     with stream:
-        file = DataFile(stream, path, reader.fs.file_size(path))
+        file = DataFile(stream, path, size)
         file.check_range(info.offset, info.length, read_item)
         item = ItemBytes(file, info.offset, info.length, read_item)
-        item.verifier = reader._verifier(info.relative_path, info.offset, info.length)
+        item.verifier = reader._verifier(name, info.offset, info.length)
         data = bytes(item.read_at(0, info.length))
         item.verify()
     return data, f"{path} (item {key!r} at offset {info.offset})"

@@ -34,6 +34,7 @@ from ...engine.safety import safe_torch_load
 from ...engine.storage.bucketing import is_data_file_of
 from ...engine.storage.location import CheckpointDir
 from ...engine.storage.reader import FileSystemReader
+from ...errors import UnsafeCheckpointError
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ..base import (
     AsyncSaveShardedStrategy,
@@ -365,6 +366,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """
         ckpt = CheckpointDir.of(checkpoint_dir)
         old = FileSystemReader(ckpt).read_metadata()
+        # Every name checked (and made canonical) before anything changes.
+        names = _data_file_names(ckpt, old)
         keep_sd = {
             k: v
             for k, v in old.state_dict_metadata.items()
@@ -381,16 +384,39 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         mcore_data = getattr(old, "mcore_data", None)
         if mcore_data is not None:
             new.mcore_data = {k: v for k, v in mcore_data.items() if k in keep_sd}  # type: ignore[attr-defined]
-        used = {info.relative_path for info in keep_storage.values()}
-        unused = {info.relative_path for info in (old.storage_data or {}).values()} - used
+        used = {names[id(info)] for info in keep_storage.values()}
+        unused = set(names.values()) - used
         # The new .metadata is committed before any data file goes (see replace_files).
         commit.replace_files(ckpt, {METADATA_FNAME: pickle.dumps(new)}, unused)
 
     def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
         """The data files holding the items of ``keys`` (from ``.metadata``)."""
-        metadata = FileSystemReader(CheckpointDir.of(checkpoint_dir)).read_metadata()
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        metadata = FileSystemReader(ckpt).read_metadata()
+        source = ckpt.path(METADATA_FNAME)
         return {
-            info.relative_path
+            ckpt.entry(info.relative_path, source=source)
             for index, info in (metadata.storage_data or {}).items()
             if index.fqn in keys
         }
+
+
+def _data_file_names(ckpt: CheckpointDir, metadata: Metadata) -> dict[int, str]:
+    """``{id(storage info): canonical file name}`` for every item of ``metadata``.
+
+    Raises:
+        UnsafeCheckpointError: a name leaves the directory or is not a data file
+            (``*.distcp``): ``remove_sharded_tensors`` never deletes anything else.
+    """
+    source = ckpt.path(METADATA_FNAME)
+    out: dict[int, str] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        name = ckpt.entry(getattr(info, "relative_path", None), source=source)
+        if not name.endswith(DATA_FILE_SUFFIX):
+            raise UnsafeCheckpointError(
+                f"{source}: item {str(getattr(index, 'fqn', index))[:200]!r} is stored in "
+                f"{name[:200]!r}, which is not a data file (*{DATA_FILE_SUFFIX}); "
+                f"refusing to remove tensors from this checkpoint"
+            )
+        out[id(info)] = name
+    return out

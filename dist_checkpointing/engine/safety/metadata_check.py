@@ -1,0 +1,273 @@
+"""The structure of a ``.metadata`` checked before anything uses it.
+
+The unpicklers admit only allowlisted types, but not their combination: a crafted
+file may put a string where a shape belongs, chunks that overlap, or an N-D
+reformulated shape that does not match the stored tensor. :func:`check_metadata`
+refuses all of these with a :class:`CorruptCheckpointError` naming the file and the
+key, so that no later step fails with a bare ``TypeError`` or, worse, returns
+unread memory.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from types import ModuleType
+from typing import Any, cast
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from dist_checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+from .bounded import short_repr
+
+# Megatron-Core's key for the original shape of an N-D reformulated tensor (in
+# ``Metadata.mcore_data[key]``); kept here so this module imports no strategy.
+ND_REFORMULATED_SHAPE_KEY = "nd_reformulated_orig_global_shape"
+MAX_DIMS = 64
+MAX_NESTING = 512
+MAX_DIM_SIZE = 1 << 62
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _short(obj: object) -> str:
+    """The type of ``obj`` and, for a scalar, its (bounded) value."""
+    if isinstance(obj, (str, int, float)):
+        return f"{type(obj).__name__} {repr(obj)[:80]}"
+    return type(obj).__name__
+
+
+class _Checker:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.source}: {where}: {what}")
+
+    def dims(self, value: object, where: str, what: str) -> tuple[int, ...]:
+        if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS:
+            raise self.fail(
+                where, f"{what} must be a sequence of dimensions, found {_short(value)}"
+            )
+        for d in value:
+            if type(d) is not int or not 0 <= d <= MAX_DIM_SIZE:
+                raise self.fail(where, f"{what} holds {_short(d)}, not a dimension")
+        return tuple(value)
+
+    def tensor(self, key: str, md: TensorStorageMetadata) -> None:
+        where = f"tensor {key[:200]!r}"
+        fields = vars(md)
+        size = self.dims(fields.get("size"), where, "size")
+        props = fields.get("properties")
+        if type(props) is not TensorProperties or not isinstance(
+            vars(props).get("dtype"), torch.dtype
+        ):
+            raise self.fail(where, f"properties must name a dtype, found {_short(props)}")
+        chunks = fields.get("chunks")
+        if type(chunks) is not list:
+            raise self.fail(where, f"chunks must be a list, found {_short(chunks)}")
+        boxes: list[Box] = []
+        for chunk in chunks:
+            if type(chunk) is not ChunkStorageMetadata:
+                raise self.fail(where, f"a chunk is {_short(chunk)}")
+            off = self.dims(vars(chunk).get("offsets"), where, "chunk offsets")
+            ext = self.dims(vars(chunk).get("sizes"), where, "chunk sizes")
+            if len(off) != len(size) or len(ext) != len(size):
+                raise self.fail(where, f"chunk {off}+{ext} does not have {len(size)} dims")
+            if any(o + e > s for o, e, s in zip(off, ext, size)):
+                raise self.fail(where, f"chunk at {off} of sizes {ext} exceeds shape {size}")
+            boxes.append((off, ext))
+        pair = first_overlap(boxes)
+        if pair is not None:
+            a, b = (boxes[i] for i in pair)
+            raise self.fail(
+                where,
+                f"stored chunks overlap (offsets {a[0]} sizes {a[1]} and offsets {b[0]} "
+                f"sizes {b[1]})",
+            )
+
+    def reformulated(self, key: str, orig: object, md: object) -> None:
+        where = f"tensor {key[:200]!r}"
+        shape = self.dims(orig, where, "the N-D reformulated shape")
+        if type(md) is not TensorStorageMetadata:
+            raise self.fail(where, "an N-D reformulated shape is given for a non-tensor")
+        size = tuple(md.size)
+        grid = size[:-1]
+        if len(size) != len(shape) + 1 or any(g == 0 or s % g for s, g in zip(shape, grid)):
+            raise self.fail(
+                where, f"stored shape {size} is not an N-D reformulation of shape {shape}"
+            )
+        block = math.prod(s // g for s, g in zip(shape, grid))
+        # Every cell of the grid is a stored block (at least one chunk each): the
+        # grid can be no larger than the chunks the file lists.
+        if size[-1] != block or math.prod(grid) > len(md.chunks):
+            raise self.fail(
+                where,
+                f"stored shape {size} of shape {shape} declares {math.prod(grid)} blocks of "
+                f"{size[-1]} elements, but lists {len(md.chunks)} chunks",
+            )
+
+    def storage(self, storage_data: object) -> None:
+        if storage_data is None:
+            return
+        if type(storage_data) is not dict:
+            raise self.fail("storage_data", f"expected a dict, found {_short(storage_data)}")
+        for index, info in storage_data.items():
+            if type(index) is not MetadataIndex or type(index.fqn) is not str:
+                raise self.fail("storage_data", f"a key is {_short(index)}")
+            where = f"storage of {index.fqn[:200]!r}"
+            if not hasattr(info, "__dict__"):
+                raise self.fail(where, f"found {_short(info)}, not a storage location")
+            fields = vars(info)
+            path, off, length = (fields.get(k) for k in ("relative_path", "offset", "length"))
+            if type(path) is not str:
+                raise self.fail(where, f"relative_path is {_short(path)}")
+            for name, value in (("offset", off), ("length", length)):
+                if type(value) is not int or value < 0:
+                    raise self.fail(where, f"{name} is {_short(value)}, not a byte count")
+
+
+def check_metadata(metadata: Metadata, source: str) -> None:
+    """Refuse a ``.metadata`` whose fields have the wrong types or are inconsistent.
+
+    Raises:
+        CorruptCheckpointError: naming ``source`` and the offending key.
+    """
+    check = _Checker(source)
+    entries: dict[Any, Any] = vars(metadata)["state_dict_metadata"]
+    for key, md in entries.items():
+        if type(key) is not str:
+            raise check.fail("state_dict_metadata", f"a key is {_short(key)}")
+        if type(md) is TensorStorageMetadata:
+            check.tensor(key, md)
+        elif type(md) is not BytesStorageMetadata:
+            raise check.fail(f"key {key[:200]!r}", f"entry is {_short(md)}")
+    check.storage(vars(metadata).get("storage_data"))
+    storage_meta = vars(metadata).get("storage_meta")
+    if storage_meta is not None and type(storage_meta) is not StorageMeta:
+        raise check.fail("storage_meta", f"expected a StorageMeta, found {_short(storage_meta)}")
+    mcore = vars(metadata).get("mcore_data")
+    if mcore is None:
+        return
+    if type(mcore) is not dict:
+        raise check.fail("mcore_data", f"expected a dict, found {_short(mcore)}")
+    for key, extra in mcore.items():
+        if type(key) is not str or type(extra) is not dict:
+            raise check.fail("mcore_data", f"entry {_short(key)} is {_short(extra)}")
+        orig = extra.get(ND_REFORMULATED_SHAPE_KEY)
+        if orig is not None:
+            check.reformulated(key, orig, entries.get(key))
+
+
+def _grid_disjoint(boxes: list[Box]) -> bool:
+    """True when the boxes are disjoint by a cheap argument: in every dimension their
+    intervals are equal or disjoint (a grid, the usual layout), and no box repeats.
+    False means "not shown", not "overlapping"."""
+    if len(set(boxes)) != len(boxes):
+        return False
+    for d in range(len(boxes[0][0])):
+        intervals = sorted({(off[d], ext[d]) for off, ext in boxes})
+        if any(a[0] + a[1] > b[0] for a, b in zip(intervals, intervals[1:])):
+            return False
+    return True
+
+
+def first_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
+    """Indices of two boxes (offsets, sizes) that share an element, or None.
+
+    A sweep along the dimension where the boxes' offsets differ most (the last one
+    for flat chunks of one block, the first for row shards): only boxes still open
+    there are compared. A regular grid is recognized first, in O(n log n).
+    """
+    nonempty = [i for i, (_, ext) in enumerate(boxes) if all(ext)]
+    if len(nonempty) < 2:
+        return None
+    if _grid_disjoint([boxes[i] for i in nonempty]):
+        return None
+    ndim = len(boxes[nonempty[0]][0])
+    dim = max(range(ndim), key=lambda d: len({boxes[i][0][d] for i in nonempty}), default=0)
+    nonempty.sort(key=lambda i: boxes[i][0][dim : dim + 1])
+    active: list[int] = []
+    for i in nonempty:
+        off, ext = boxes[i]
+        if off:
+            active = [j for j in active if boxes[j][0][dim] + boxes[j][1][dim] > off[dim]]
+        for j in active:
+            o2, e2 = boxes[j]
+            if all(a < c + d and c < a + b for a, b, c, d in zip(off, ext, o2, e2)):
+                return j, i
+        active.append(i)
+    return None
+
+
+_LEAVES = frozenset(
+    {type(None), bool, int, float, complex, str, bytes, bytearray}
+    | {torch.dtype, torch.layout, torch.memory_format, torch.Size}
+)
+
+
+def _children(obj: object) -> list[object]:
+    if isinstance(obj, enum.Enum):  # a member's __dict__ names its class: not data
+        return []
+    if type(obj) in (dict, OrderedDict):
+        mapping = cast(dict[object, object], obj)
+        return (
+            [*mapping.keys(), *mapping.values(), *vars(obj).values()]
+            if type(obj) is OrderedDict
+            else [*mapping.keys(), *mapping.values()]
+        )
+    if type(obj) in (list, tuple, set, frozenset):
+        return list(cast(Iterable[object], obj))
+    return list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+
+
+def check_plain(root: object, source: str, max_depth: int = MAX_NESTING) -> None:
+    """Refuse a result that holds a callable, class or module (a pickle may hand one
+    out as data, and whoever uses it could change it for the whole process), or that
+    nests deeper than ``max_depth`` (CPython hashes nested tuples recursively in C).
+
+    Iterative: the height of every object is computed once, whatever its sharing.
+
+    Raises:
+        UnsafeCheckpointError: a callable, class or module.
+        CorruptCheckpointError: too deep.
+    """
+    heights: dict[int, int] = {}
+    entered: set[int] = set()
+    todo: list[tuple[object, bool]] = [(root, False)]
+    while todo:
+        obj, done = todo.pop()
+        if type(obj) in _LEAVES:
+            continue
+        key = id(obj)
+        if done:
+            height = 1 + max((heights.get(id(c), 0) for c in _children(obj)), default=0)
+            if height > max_depth:
+                raise CorruptCheckpointError(f"{source}: it nests deeper than {max_depth} levels")
+            heights[key] = height
+            continue
+        if key in entered:
+            continue
+        entered.add(key)
+        if callable(obj) or isinstance(obj, ModuleType):
+            raise UnsafeCheckpointError(
+                f"{source}: refusing to load: the pickle hands out {_short(obj)} "
+                f"{short_repr(getattr(obj, '__qualname__', ''))} as data"
+            )
+        todo.append((obj, True))
+        todo.extend((child, False) for child in _children(obj))
+
+
+__all__ = ["check_metadata", "check_plain", "first_overlap"]
