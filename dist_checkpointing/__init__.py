@@ -9,6 +9,7 @@ from __future__ import annotations
 from . import errors
 from .core import CheckpointingConfig, check_is_distributed_checkpoint
 from .errors import CheckpointingException
+from .manager import CheckpointManager
 from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -36,6 +37,7 @@ from .serialization import (
 from .validation import StrictHandling, parse_strict_flag
 
 __all__ = [
+    "CheckpointManager",
     "CheckpointingConfig",
     "CheckpointingException",
     "LocalNonpersistentObject",
