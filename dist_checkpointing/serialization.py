@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ._accounting import OpAccount, tensor_bytes
 from .core import CheckpointingConfig, config_bytes
 from .dict_utils import extract_matching_values, merge, nested_values
 from .engine.checkpoint import commit, integrity
@@ -174,18 +175,24 @@ def _finalize_save(
     common_strategy: SaveCommonStrategy,
     verify_integrity: bool,
     group: RankGroup,
+    account: OpAccount,
 ) -> None:
     """Integrity manifest (optional), then the commit marker (every rank calls it)."""
-    if verify_integrity:
-        names = sharded_strategy.files_written_by(ckpt, group.rank) + common_strategy.files(ckpt)
-        integrity.record(ckpt, group, names)
-    config = CheckpointingConfig(
-        sharded_strategy.backend,
-        sharded_strategy.version,
-        common_strategy.backend,
-        common_strategy.version,
-    )
-    commit.commit(ckpt, group, config_bytes(config))
+
+    def written() -> list[str]:
+        return sharded_strategy.files_written_by(ckpt, group.rank) + common_strategy.files(ckpt)
+
+    with account.phase("finalize"):
+        if verify_integrity:
+            integrity.record(ckpt, group, written())
+        config = CheckpointingConfig(
+            sharded_strategy.backend,
+            sharded_strategy.version,
+            common_strategy.backend,
+            common_strategy.version,
+        )
+        commit.commit(ckpt, group, config_bytes(config))
+    account.report(lambda: (sum(ckpt.size(n) for n in written()), written()))
 
 
 @_gc_paused_call
@@ -245,25 +252,45 @@ def save(
     )
     ckpt = CheckpointDir.of(checkpoint_dir)
     ckpt.require_dir("Checkpoint destination directory")
-    sharded_part, common_part = save_preprocess(
-        sharded_state_dict,
-        validate_access_integrity,
-        preprocess_common_before_consistancy_check,
-        process_group,
-    )
     group = RankGroup(process_group)
+    account = OpAccount(logger, "save", ckpt, group.rank)
+    with account.phase("validate"):
+        sharded_part, common_part = save_preprocess(
+            sharded_state_dict,
+            validate_access_integrity,
+            preprocess_common_before_consistancy_check,
+            process_group,
+        )
     commit.begin(ckpt, group, (*sharded.commit_files, integrity.INTEGRITY_FNAME))
     if content_metadata is not None:
         common_part[CONTENT_METADATA_KEY] = content_metadata
-    sharded_part = _save_common_part(ckpt, sharded, common, sharded_part, common_part)
-    finalize = functools.partial(_finalize_save, ckpt, sharded, common, verify_integrity, group)
+    with account.phase("common"):
+        sharded_part = _save_common_part(ckpt, sharded, common, sharded_part, common_part)
+    finalize = functools.partial(
+        _finalize_save, ckpt, sharded, common, verify_integrity, group, account
+    )
+    return _write_sharded(ckpt, sharded, sharded_part, finalize, account, async_sharded_save)
+
+
+def _write_sharded(
+    ckpt: CheckpointDir,
+    sharded: SaveShardedStrategy,
+    sharded_part: ShardedStateDict,
+    finalize: Callable[[], None],
+    account: OpAccount,
+    async_sharded_save: bool,
+) -> AsyncRequest | None:
+    """Write now and finalize, or return the request that will (async)."""
     if not async_sharded_save:
-        sharded.save(sharded_part, ckpt)
+        with account.phase("plan+stage+write"):
+            sharded.save(sharded_part, ckpt)
         finalize()
         return None
     assert isinstance(sharded, AsyncSaveShardedStrategy)
-    request = sharded.async_save(sharded_part, ckpt)
+    with account.phase("plan"):
+        request = sharded.async_save(sharded_part, ckpt)
     request.add_finalize_fn(finalize)
+    account.mark_blocked()
     return request
 
 
@@ -360,17 +387,20 @@ def _check_request(
     )
 
 
+def _keys_of(request: ShardedStateDict) -> set[str]:
+    return {
+        sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in nested_values(request)
+    }
+
+
 def _verify_files_read(
     ckpt: CheckpointDir,
     strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
     request: ShardedStateDict,
 ) -> None:
     """Check the files this rank reads against the checkpoint's integrity manifest."""
-    keys = {
-        sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in nested_values(request)
-    }
     sharded, common = strategies
-    files = sharded.files_holding(ckpt, keys) | set(common.files(ckpt))
+    files = sharded.files_holding(ckpt, _keys_of(request)) | set(common.files(ckpt))
     integrity.verify_files(ckpt, files)
 
 
@@ -416,15 +446,20 @@ def load(
     ckpt = CheckpointDir.of(checkpoint_dir)
     sharded, common = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy, common_strategy)
     strategies = (bind_process_group(sharded, process_group), common)
-    common_state_dict = common.load_common(ckpt)
+    account = OpAccount(logger, "load", ckpt, RankGroup(process_group).rank)
+    with account.phase("common"):
+        common_state_dict = common.load_common(ckpt)
     request, nonpersistent, factories = load_preprocess(sharded_state_dict)
     strict = parse_strict_flag(strict)
-    request, missing, unexpected = _check_request(
-        ckpt, request, strict, validate_access_integrity, strategies, process_group
-    )
-    if verify_integrity:
-        _verify_files_read(ckpt, strategies, request)
-    loaded = strategies[0].load(request, ckpt)
+    with account.phase("validate"):
+        request, missing, unexpected = _check_request(
+            ckpt, request, strict, validate_access_integrity, strategies, process_group
+        )
+        if verify_integrity:
+            _verify_files_read(ckpt, strategies, request)
+    with account.phase("plan+read"):
+        loaded = strategies[0].load(request, ckpt)
+    account.report(lambda: (tensor_bytes(loaded), sharded.files_holding(ckpt, _keys_of(request))))
     merge(common_state_dict, loaded)
     merge(common_state_dict, nonpersistent)
     result: StateDict = apply_factory_merges(common_state_dict, factories)
