@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ._accounting import OpAccount, tensor_bytes
@@ -47,6 +47,7 @@ from .strategies.base import (
     SaveCommonStrategy,
     SaveShardedStrategy,
     StrategyAction,
+    allow_types,
     bind_process_group,
     expect_strategy,
     get_default_strategy,
@@ -300,11 +301,13 @@ def _write_sharded(
 def load_common_state_dict(
     checkpoint_dir: str | os.PathLike[str],
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
+    *,
+    allowed_types: Sequence[type] = (),
 ) -> StateDict:
-    """The common (non-sharded) state of the checkpoint."""
+    """The common (non-sharded) state of the checkpoint; ``allowed_types`` as in :func:`load`."""
     ckpt = CheckpointDir.of(checkpoint_dir)
     _, common = verify_checkpoint_and_load_strategy(ckpt, common_strategy=common_strategy)
-    return common.load_common(ckpt)
+    return allow_types(common, allowed_types).load_common(ckpt)
 
 
 def load_content_metadata(
@@ -415,6 +418,7 @@ def load(
     *,
     verify_integrity: bool = False,
     process_group: ProcessGroup = None,
+    allowed_types: Sequence[type] = (),
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
@@ -438,6 +442,9 @@ def load(
         verify_integrity: check the files this rank reads (data files and
             ``common.pt``) against the checkpoint's ``integrity.json``.
         process_group: the ranks that load together (default: the world).
+        allowed_types: classes (beyond tensors, containers and primitives) that the
+            common state and ShardedObjects may contain, e.g. ``[argparse.Namespace]``;
+            added to what the load strategies allow, for this call only.
 
     Returns:
         The loaded state dict; with ``RETURN_*`` strict modes also the sets of
@@ -445,6 +452,7 @@ def load(
     """
     ckpt = CheckpointDir.of(checkpoint_dir)
     sharded, common = verify_checkpoint_and_load_strategy(ckpt, sharded_strategy, common_strategy)
+    sharded, common = allow_types(sharded, allowed_types), allow_types(common, allowed_types)
     strategies = (bind_process_group(sharded, process_group), common)
     account = OpAccount(logger, "load", ckpt, RankGroup(process_group).rank)
     with account.phase("common"):
