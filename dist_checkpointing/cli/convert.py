@@ -2,9 +2,11 @@
 style safetensors shards, and a ``torch.save``/safetensors file to a sharded
 checkpoint for N ranks.
 
-From a sharded checkpoint, tensors are read one at a time (safetensors output
+From a sharded checkpoint, tensors are read one at a time. Safetensors output
 holds at most one tensor in memory; a ``torch.save`` file needs all of them at
-once, by the nature of that format). To a sharded checkpoint, each of N worker
+once, so they are read into file-backed shared mappings (temporary files next to
+the destination, deleted at once) that the kernel pages out instead of keeping
+them in RAM. To a sharded checkpoint, each of N worker
 processes (a gloo group on 127.0.0.1) holds only its own rows of each tensor.
 """
 
@@ -38,15 +40,33 @@ def _check_destination(dst: str, is_dir: bool) -> None:
         raise CliError(f"{dst}: is a directory (give a file name, e.g. model.pt)")
 
 
+def file_backed(where: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor whose memory is a shared mapping of a (deleted) temporary
+    file in ``where``: the kernel can write its pages back to disk instead of keeping them
+    in RAM, so many of them do not add up in memory."""
+    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    fd, path = tempfile.mkstemp(dir=where, suffix=".buf")
+    os.close(fd)
+    try:
+        raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.remove(path)  # the mapping stays valid
+    return raw.view(dtype).reshape(shape)
+
+
 def _to_torch(ckpt: Checkpoint, keys: list[str], dst: str, bar_on: bool | None) -> None:
     state: dict[str, Any] = ckpt.common()
     total = sum(ckpt.tensors[k].nbytes for k in keys)
+    where = os.path.dirname(os.path.abspath(dst))
     with progress(total, "convert", bar_on) as bar:
         for key in keys:
             if key in state:
                 raise CliError(f"tensor key {key!r} collides with a common-state key")
-            state[key] = ckpt.read(key)
-            bar.update(ckpt.tensors[key].nbytes)
+            info = ckpt.tensors[key]
+            state[key] = ckpt.read(key, out=file_backed(where, info.shape, info.dtype))
+            bar.update(info.nbytes)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(dst)), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -83,10 +83,10 @@ class Checkpoint:
             return out
         return TorchDistLoadShardedStrategy().load(request, self.path)
 
-    def read(self, key: str) -> torch.Tensor:
-        """The whole tensor ``key``."""
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole tensor ``key`` (read into ``out`` when given)."""
         info = self.info(key)
-        data = torch.empty(info.shape, dtype=info.dtype)
+        data = torch.empty(info.shape, dtype=info.dtype) if out is None else out
         result = self._load({key: ShardedTensor.from_rank_offsets(key, data)})
         tensor: torch.Tensor = result[key]
         return tensor
