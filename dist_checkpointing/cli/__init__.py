@@ -13,6 +13,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .ui import CliError
 
@@ -47,8 +48,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     return handlers[args.command](args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dist-checkpointing", description="Inspect, verify and convert sharded checkpoints."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -94,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.code
+    except BrokenPipeError:  # the reader of our output went away (e.g. `| head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -113,6 +113,7 @@ def test_diff_values(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert code == 1 and out.strip() == "values: model.b: max abs diff 3.0"
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_plain_dcp_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dcp.save({"x": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=str(tmp_path), no_dist=True)
     code, out, _ = run(capsys, "inspect", tmp_path)
@@ -176,3 +177,14 @@ def test_unsafe_common_state_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
     assert code == 2 and "not a loadable" in err
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "argv", [[], ["show", "x"], ["convert", "a", "b", "--to", "xx"], ["inspect", "--bogus", "d"]]
+)
+def test_usage_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("error: "), err
