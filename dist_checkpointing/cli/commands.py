@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -40,14 +41,8 @@ def _summary(ckpt: Checkpoint, pattern: str | None) -> dict[str, Any]:
             }
             for k in keys
         ],
-        "objects": [o for o in ckpt.objects if pattern is None or re.search(_glob(pattern), o)],
+        "objects": [o for o in ckpt.objects if pattern is None or fnmatchcase(o, pattern)],
     }
-
-
-def _glob(pattern: str) -> str:
-    import fnmatch
-
-    return fnmatch.translate(pattern)
 
 
 def _incomplete(path: str, as_json: bool) -> int:
