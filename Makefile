@@ -32,7 +32,7 @@ help:
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install -e ".[dev,nvrx]"
+	$(BIN)/python -m pip install -e ".[dev,nvrx,cli]"
 	touch $@
 
 venv install: $(STAMP)

@@ -16,6 +16,7 @@ DEV_REQUIRES = [
     "mypy>=1.10",
 ]
 DOCS_REQUIRES = ["sphinx>=7"]
+CLI_REQUIRES = ["tqdm>=4.60", "safetensors>=0.4"]
 # Local checkpoints (tensor_aware_state_dict) with nvidia-resiliency-ext's checkpoint managers.
 # pynvml 13 (a dependency of it) warns on every `import torch`; 12 is the same API, silent.
 NVRX_REQUIRES = ["nvidia-resiliency-ext>=0.4", "pynvml<13"]
@@ -40,10 +41,12 @@ setup(
     extras_require={
         "dev": DEV_REQUIRES + DOCS_REQUIRES,
         "docs": DOCS_REQUIRES,
-        "cli": ["tqdm"],
+        # The CLI (python -m dist_checkpointing): progress bars, safetensors conversion.
+        "cli": CLI_REQUIRES,
         "msc": ["multi-storage-client"],
         "nvrx": NVRX_REQUIRES,
     },
+    entry_points={"console_scripts": ["dist-checkpointing = dist_checkpointing.cli:main_exit"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3 :: Only",

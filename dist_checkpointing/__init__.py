@@ -10,6 +10,7 @@ from . import errors
 from .core import CheckpointingConfig, check_is_distributed_checkpoint
 from .engine.checkpoint.verify import VerifyReport, verify
 from .errors import CheckpointingException
+from .manager import CheckpointManager
 from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -39,6 +40,7 @@ from .validation import StrictHandling, parse_strict_flag
 __all__ = [
     "verify",
     "VerifyReport",
+    "CheckpointManager",
     "CheckpointingConfig",
     "CheckpointingException",
     "LocalNonpersistentObject",

@@ -17,18 +17,25 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from .core import CheckpointingConfig, config_bytes
-from .dict_utils import extract_matching_values, merge, nested_values
+from ._accounting import OpAccount, tensor_bytes
+from ._save_steps import (
+    check_async_strategy,
+    finalize_save,
+    owns_file,
+    save_common_part,
+    save_strategies,
+    write_sharded,
+)
+from .dict_utils import merge, nested_values
 from .engine.checkpoint import commit, integrity
 from .engine.collectives import ProcessGroup, RankGroup
 from .engine.process import gc_paused
 from .engine.storage.location import CheckpointDir
 from .errors import (
     CheckpointingException,
-    UnsupportedFeatureError,
 )
 from .mapping import (
     CommonStateDict,
@@ -40,16 +47,15 @@ from .mapping import (
 from .state_dict_utils import load_preprocess, save_preprocess
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
-    AsyncSaveShardedStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,
     SaveShardedStrategy,
     StrategyAction,
+    allow_types,
     bind_process_group,
     expect_strategy,
     get_default_strategy,
-    resolve_strategy,
 )
 from .validation import (
     CkptShardedMetadata,
@@ -109,35 +115,6 @@ def get_default_load_sharded_strategy(
     return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]
 
 
-def _save_strategies(
-    sharded_strategy: SaveShardedStrategy | tuple[str, int] | None,
-    common_strategy: SaveCommonStrategy | tuple[str, int] | None,
-    async_sharded_save: bool,
-    process_group: ProcessGroup,
-) -> tuple[SaveShardedStrategy, SaveCommonStrategy]:
-    sharded = resolve_strategy(sharded_strategy, ("torch_dist", 1), StrategyAction.SAVE_SHARDED)
-    common = resolve_strategy(common_strategy, ("torch", 1), StrategyAction.SAVE_COMMON)
-    sharded = expect_strategy(sharded, SaveShardedStrategy)
-    common = expect_strategy(common, SaveCommonStrategy)
-    if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
-        raise CheckpointingException(f"{sharded} does not support async saves")
-    return bind_process_group(sharded, process_group), bind_process_group(common, process_group)
-
-
-def _check_async_strategy(async_strategy: str | None) -> None:
-    if async_strategy in (None, "mcore"):
-        return
-    if async_strategy == "nvrx":
-        raise UnsupportedFeatureError(
-            "async_strategy='nvrx' asks for nvidia-resiliency-ext's async writer, which "
-            "dist_checkpointing does not use; pass async_strategy='mcore' (or omit it) to use "
-            "the built-in async writer"
-        )
-    raise UnsupportedFeatureError(
-        f"Unknown async_strategy {async_strategy!r}; supported: 'mcore' (the built-in writer)"
-    )
-
-
 def _gc_paused_call(fn: _F) -> _F:
     """Run ``fn`` with the cyclic GC paused (see :func:`engine.process.gc_paused`)."""
 
@@ -150,51 +127,6 @@ def _gc_paused_call(fn: _F) -> _F:
 
 
 # --------------------------------------------------------------------------- save
-
-
-def _save_common_part(
-    ckpt: CheckpointDir,
-    sharded_strategy: SaveShardedStrategy,
-    common_strategy: SaveCommonStrategy,
-    sharded_part: ShardedStateDict,
-    common_part: StateDict,
-) -> ShardedStateDict:
-    """Save the common state (and, if the sharded strategy cannot, the ShardedObjects);
-    returns what is left for the sharded strategy."""
-    common_strategy.save_common(common_part, ckpt)
-    if sharded_strategy.can_handle_sharded_objects:
-        return sharded_part
-    objects, rest = extract_matching_values(sharded_part, lambda x: isinstance(x, ShardedObject))
-    if objects:
-        common_strategy.save_sharded_objects(objects, ckpt)  # type: ignore[arg-type]
-    return rest  # type: ignore[return-value]
-
-
-def _finalize_save(
-    ckpt: CheckpointDir,
-    sharded_strategy: SaveShardedStrategy,
-    common_strategy: SaveCommonStrategy,
-    verify_integrity: bool,
-    group: RankGroup,
-) -> None:
-    """Integrity manifest (optional), then the commit (every rank calls it)."""
-    try:
-        if verify_integrity:
-            names = sharded_strategy.files_written_by(ckpt, group.rank)
-            names += common_strategy.files(ckpt)
-            if group.is_coordinator:  # the format's metadata (.metadata) is covered too
-                names += [n for n in sharded_strategy.commit_files if ckpt.has(n)]
-            integrity.record(ckpt, group, names)
-        config = CheckpointingConfig(
-            sharded_strategy.backend,
-            sharded_strategy.version,
-            common_strategy.backend,
-            common_strategy.version,
-        )
-    except BaseException:
-        commit.abort(ckpt, group)
-        raise
-    commit.commit(ckpt, group, config_bytes(config))
 
 
 @_gc_paused_call
@@ -248,45 +180,37 @@ def save(
     Returns:
         The AsyncRequest with ``async_sharded_save=True``, else None.
     """
-    _check_async_strategy(async_strategy)
-    sharded, common = _save_strategies(
+    check_async_strategy(async_strategy)
+    sharded, common = save_strategies(
         sharded_strategy, common_strategy, async_sharded_save, process_group
     )
     ckpt = CheckpointDir.of(checkpoint_dir)
     ckpt.require_dir("Checkpoint destination directory")
-    sharded_part, common_part = save_preprocess(
-        sharded_state_dict,
-        validate_access_integrity,
-        preprocess_common_before_consistancy_check,
-        process_group,
-    )
     group = RankGroup(process_group)
-    commit.begin(ckpt, group, functools.partial(_owns_file, sharded, common))
+    account = OpAccount(logger, "save", ckpt, group.rank)
+    with account.phase("validate"):
+        sharded_part, common_part = save_preprocess(
+            sharded_state_dict,
+            validate_access_integrity,
+            preprocess_common_before_consistancy_check,
+            process_group,
+        )
+    commit.begin(ckpt, group, functools.partial(owns_file, sharded, common))
     if content_metadata is not None:
         common_part[CONTENT_METADATA_KEY] = content_metadata
-    finalize = functools.partial(_finalize_save, ckpt, sharded, common, verify_integrity, group)
+    finalize = functools.partial(
+        finalize_save, ckpt, sharded, common, verify_integrity, group, account
+    )
     try:
-        sharded_part = _save_common_part(ckpt, sharded, common, sharded_part, common_part)
-        if not async_sharded_save:
-            sharded.save(sharded_part, ckpt)
-            finalize()
-            return None
-        request = expect_strategy(sharded, AsyncSaveShardedStrategy).async_save(sharded_part, ckpt)
+        with account.phase("common"):
+            sharded_part = save_common_part(ckpt, sharded, common, sharded_part, common_part)
+        request = write_sharded(ckpt, sharded, sharded_part, finalize, account, async_sharded_save)
     except BaseException:
         commit.abort(ckpt, group)
         raise
-    request.add_finalize_fn(finalize)
-    request.add_abort_fn(functools.partial(commit.abort, ckpt, group))
+    if request is not None:
+        request.add_abort_fn(functools.partial(commit.abort, ckpt, group))
     return request
-
-
-def _owns_file(sharded: SaveShardedStrategy, common: SaveCommonStrategy, name: str) -> bool:
-    """Whether ``name`` is a checkpoint file (one a save may replace or delete)."""
-    return (
-        sharded.owns_file(name)
-        or common.owns_file(name)
-        or name in (commit.COMMIT_MARKER, integrity.INTEGRITY_FNAME)
-    )
 
 
 # --------------------------------------------------------------------------- load
@@ -297,14 +221,15 @@ def load_common_state_dict(
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
     *,
     verify_checksums: bool | None = None,
+    allowed_types: Sequence[type] = (),
 ) -> StateDict:
-    """The common (non-sharded) state of the checkpoint (``verify_checksums``: see
-    :func:`load`)."""
+    """The common (non-sharded) state of the checkpoint; ``allowed_types`` and
+    ``verify_checksums`` as in :func:`load`."""
     ckpt = CheckpointDir.of(checkpoint_dir)
     _, common = verify_checkpoint_and_load_strategy(
         ckpt, common_strategy=common_strategy, verify_checksums=verify_checksums
     )
-    return common.load_common(ckpt)
+    return allow_types(common, allowed_types).load_common(ckpt)
 
 
 def load_content_metadata(
@@ -405,17 +330,20 @@ def _check_request(
     )
 
 
+def _keys_of(request: ShardedStateDict) -> set[str]:
+    return {
+        sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in nested_values(request)
+    }
+
+
 def _verify_files_read(
     ckpt: CheckpointDir,
     strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
     request: ShardedStateDict,
 ) -> None:
     """Check the data files this rank reads against the checkpoint's integrity manifest."""
-    keys = {
-        sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in nested_values(request)
-    }
     sharded, _ = strategies  # .metadata and common.pt were checked before unpickling
-    integrity.verify_files(ckpt, sharded.files_holding(ckpt, keys))
+    integrity.verify_files(ckpt, sharded.files_holding(ckpt, _keys_of(request)))
 
 
 def _metadata_files(ckpt: CheckpointDir) -> list[str]:
@@ -435,6 +363,7 @@ def load(
     verify_integrity: bool = False,
     verify_checksums: bool | None = None,
     process_group: ProcessGroup = None,
+    allowed_types: Sequence[type] = (),
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
@@ -462,32 +391,41 @@ def load(
             offset); default: the ``VERIFY_CHECKSUMS`` knob (on). Checkpoints
             without a commit record (written by Megatron-Core) load unverified.
         process_group: the ranks that load together (default: the world).
+        allowed_types: classes (beyond tensors, containers and primitives) that the
+            common state and ShardedObjects may contain, e.g. ``[argparse.Namespace]``;
+            added to what the load strategies allow, for this call only.
 
     Returns:
         The loaded state dict; with ``RETURN_*`` strict modes also the sets of
         missing and unexpected keys.
     """
     ckpt = CheckpointDir.of(checkpoint_dir)
+    account = OpAccount(logger, "load", ckpt, RankGroup(process_group).rank)
     error: BaseException | None = None
     try:
         sharded, common = verify_checkpoint_and_load_strategy(
             ckpt, sharded_strategy, common_strategy, verify_checksums=verify_checksums
         )
+        sharded, common = allow_types(sharded, allowed_types), allow_types(common, allowed_types)
         strategies = (bind_process_group(sharded, process_group), common)
         if verify_integrity:  # what is unpickled first is checked before it is
             integrity.verify_files(ckpt, _metadata_files(ckpt) + list(common.files(ckpt)))
-        common_state_dict = common.load_common(ckpt)
+        with account.phase("common"):
+            common_state_dict = common.load_common(ckpt)
         request, nonpersistent, factories = load_preprocess(sharded_state_dict)
         strict_mode = parse_strict_flag(strict)
     except Exception as exc:  # noqa: BLE001 - one verdict: raised on every rank below
         error = exc
     RankGroup(process_group).fail_together(error, f"Loading {ckpt}")
-    request, missing, unexpected = _check_request(
-        ckpt, request, strict_mode, validate_access_integrity, strategies, process_group
-    )
-    if verify_integrity:
-        _verify_files_read(ckpt, strategies, request)
-    loaded = strategies[0].load(request, ckpt)
+    with account.phase("validate"):
+        request, missing, unexpected = _check_request(
+            ckpt, request, strict_mode, validate_access_integrity, strategies, process_group
+        )
+        if verify_integrity:
+            _verify_files_read(ckpt, strategies, request)
+    with account.phase("plan+read"):
+        loaded = strategies[0].load(request, ckpt)
+    account.report(lambda: (tensor_bytes(loaded), sharded.files_holding(ckpt, _keys_of(request))))
     merge(common_state_dict, loaded)
     merge(common_state_dict, nonpersistent)
     result: StateDict = apply_factory_merges(common_state_dict, factories)

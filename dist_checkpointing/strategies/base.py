@@ -36,7 +36,7 @@ import copy
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from enum import Enum
 from types import MappingProxyType
@@ -211,6 +211,19 @@ def bind_process_group(strategy: _S, group: dist.ProcessGroup | None) -> _S:
     if group is not None and getattr(strategy, "process_group", group) is None:
         strategy = copy.copy(strategy)
         strategy.process_group = group  # type: ignore[attr-defined]
+    return strategy
+
+
+def allow_types(strategy: _S, allowed_types: Sequence[type]) -> _S:
+    """``strategy`` (a copy) that also allows ``allowed_types`` in the pickles it loads;
+    ``strategy`` itself when ``allowed_types`` is empty."""
+    if not allowed_types:
+        return strategy
+    if not hasattr(strategy, "allowed_types"):
+        raise CheckpointingException(f"{strategy!r} does not take allowed_types")
+    strategy = copy.copy(strategy)
+    merged = (*strategy.allowed_types, *allowed_types)
+    strategy.allowed_types = tuple(dict.fromkeys(merged))
     return strategy
 
 

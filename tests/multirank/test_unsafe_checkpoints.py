@@ -367,3 +367,19 @@ def test_namespace_in_sharded_object_needs_explicit_permission(tmp_path: Path) -
     ):
         out = dcp.load(_object_request(), tmp_path, sharded_strategy=strategy)
         assert isinstance(out, dict) and out["rng"] == ARGS
+
+
+def test_allowed_types_on_load_directly(tmp_path: Path) -> None:
+    """The unsafe-type message names ``load(..., allowed_types=[...])``, and that works."""
+    _save(tmp_path, args=ARGS, rng=ShardedObject("rng", ARGS, (1,), (0,)))
+    with pytest.raises(UnsafeCheckpointError) as info:
+        dcp.load(_request(), tmp_path)
+    assert "dist_checkpointing.load(..., allowed_types=[argparse.Namespace])" in str(info.value)
+    out = dcp.load(
+        {**_request(), **_object_request()}, tmp_path, allowed_types=[argparse.Namespace]
+    )
+    assert isinstance(out, dict) and out["args"] == ARGS and out["rng"] == ARGS
+    common = dcp.load_common_state_dict(tmp_path, allowed_types=[argparse.Namespace])
+    assert common["args"] == ARGS
+    with pytest.raises(UnsafeCheckpointError):  # for that call only
+        dcp.load_common_state_dict(tmp_path)

@@ -67,8 +67,11 @@ def _unsafe_load_error(message: str, source: str) -> UnsafeCheckpointError | Non
         return UnsafeCheckpointError(
             f"{source}: refusing to load: the pickle references '{name}', which is not "
             "allowed with weights_only loading (unpickling arbitrary types can execute "
-            f"code). If you trust this file, pass allowed_types=[{name}] to allow just "
-            "that type, or trusted=True to load it without restrictions."
+            "code). If you trust this file, allow just that type: "
+            f"dist_checkpointing.load(..., allowed_types=[{name}]) (load_common_state_dict "
+            "takes it too); or, to load without restrictions, pass "
+            "common_strategy=TorchCommonLoadStrategy(trusted=True) (ShardedObjects: "
+            "sharded_strategy=TorchDistLoadShardedStrategy(trusted=True))."
         )
     reason = next(
         (line for line in message.splitlines() if any(p in line for p in _WO_REFUSALS)), None
@@ -76,7 +79,8 @@ def _unsafe_load_error(message: str, source: str) -> UnsafeCheckpointError | Non
     if reason is not None:
         return UnsafeCheckpointError(
             f"{source}: refusing to load with weights_only: {reason.strip()}. If you trust "
-            "this file, pass the types it needs in allowed_types=[...], or trusted=True."
+            "this file, pass the types it needs as dist_checkpointing.load(..., "
+            "allowed_types=[...]), or build the load strategy with trusted=True."
         )
     return None
 

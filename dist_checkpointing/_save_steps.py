@@ -1,0 +1,143 @@
+"""The steps of :func:`~dist_checkpointing.serialization.save`, apart from its recipe.
+
+Strategy resolution for a save, the common part, writing the sharded part (now or
+as an async request) and finalization (integrity manifest, then the commit of
+:mod:`.engine.checkpoint.commit`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ._accounting import OpAccount
+from .core import CheckpointingConfig, config_bytes
+from .dict_utils import extract_matching_values
+from .engine.checkpoint import commit, integrity
+from .engine.collectives import ProcessGroup, RankGroup
+from .engine.storage.location import CheckpointDir
+from .errors import CheckpointingException, UnsupportedFeatureError
+from .mapping import ShardedObject, ShardedStateDict, StateDict
+from .strategies.async_utils import AsyncRequest
+from .strategies.base import (
+    AsyncSaveShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    bind_process_group,
+    expect_strategy,
+    resolve_strategy,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def save_strategies(
+    sharded_strategy: SaveShardedStrategy | tuple[str, int] | None,
+    common_strategy: SaveCommonStrategy | tuple[str, int] | None,
+    async_sharded_save: bool,
+    process_group: ProcessGroup,
+) -> tuple[SaveShardedStrategy, SaveCommonStrategy]:
+    sharded = resolve_strategy(sharded_strategy, ("torch_dist", 1), StrategyAction.SAVE_SHARDED)
+    common = resolve_strategy(common_strategy, ("torch", 1), StrategyAction.SAVE_COMMON)
+    sharded = expect_strategy(sharded, SaveShardedStrategy)
+    common = expect_strategy(common, SaveCommonStrategy)
+    if async_sharded_save and not isinstance(sharded, AsyncSaveShardedStrategy):
+        raise CheckpointingException(f"{sharded} does not support async saves")
+    return bind_process_group(sharded, process_group), bind_process_group(common, process_group)
+
+
+def check_async_strategy(async_strategy: str | None) -> None:
+    if async_strategy in (None, "mcore"):
+        return
+    if async_strategy == "nvrx":
+        raise UnsupportedFeatureError(
+            "async_strategy='nvrx' asks for nvidia-resiliency-ext's async writer, which "
+            "dist_checkpointing does not use; pass async_strategy='mcore' (or omit it) to use "
+            "the built-in async writer"
+        )
+    raise UnsupportedFeatureError(
+        f"Unknown async_strategy {async_strategy!r}; supported: 'mcore' (the built-in writer)"
+    )
+
+
+def save_common_part(
+    ckpt: CheckpointDir,
+    sharded_strategy: SaveShardedStrategy,
+    common_strategy: SaveCommonStrategy,
+    sharded_part: ShardedStateDict,
+    common_part: StateDict,
+) -> ShardedStateDict:
+    """Save the common state (and, if the sharded strategy cannot, the ShardedObjects);
+    returns what is left for the sharded strategy."""
+    common_strategy.save_common(common_part, ckpt)
+    if sharded_strategy.can_handle_sharded_objects:
+        return sharded_part
+    objects, rest = extract_matching_values(sharded_part, lambda x: isinstance(x, ShardedObject))
+    if objects:
+        common_strategy.save_sharded_objects(objects, ckpt)  # type: ignore[arg-type]
+    return rest  # type: ignore[return-value]
+
+
+def finalize_save(
+    ckpt: CheckpointDir,
+    sharded_strategy: SaveShardedStrategy,
+    common_strategy: SaveCommonStrategy,
+    verify_integrity: bool,
+    group: RankGroup,
+    account: OpAccount,
+) -> None:
+    """Integrity manifest (optional), then the commit (every rank calls it)."""
+
+    def written() -> list[str]:
+        return sharded_strategy.files_written_by(ckpt, group.rank) + common_strategy.files(ckpt)
+
+    with account.phase("finalize"):
+        try:
+            if verify_integrity:
+                names = written()
+                if group.is_coordinator:  # the format's metadata (.metadata) is covered too
+                    names += [n for n in sharded_strategy.commit_files if ckpt.has(n)]
+                integrity.record(ckpt, group, names)
+            config = CheckpointingConfig(
+                sharded_strategy.backend,
+                sharded_strategy.version,
+                common_strategy.backend,
+                common_strategy.version,
+            )
+        except BaseException:
+            commit.abort(ckpt, group)
+            raise
+        commit.commit(ckpt, group, config_bytes(config))
+    account.report(lambda: (sum(ckpt.size(n) for n in written()), written()))
+
+
+def write_sharded(
+    ckpt: CheckpointDir,
+    sharded: SaveShardedStrategy,
+    sharded_part: ShardedStateDict,
+    finalize: Callable[[], None],
+    account: OpAccount,
+    async_sharded_save: bool,
+) -> AsyncRequest | None:
+    """Write now and finalize, or return the request that will (async)."""
+    if not async_sharded_save:
+        with account.phase("plan+stage+write"):
+            sharded.save(sharded_part, ckpt)
+        finalize()
+        return None
+    assert isinstance(sharded, AsyncSaveShardedStrategy)
+    with account.phase("plan"):
+        request = sharded.async_save(sharded_part, ckpt)
+    request.add_finalize_fn(finalize)
+    account.mark_blocked()
+    return request
+
+
+def owns_file(sharded: SaveShardedStrategy, common: SaveCommonStrategy, name: str) -> bool:
+    """Whether ``name`` is a checkpoint file (one a save may replace or delete)."""
+    return (
+        sharded.owns_file(name)
+        or common.owns_file(name)
+        or name in (commit.COMMIT_MARKER, integrity.INTEGRITY_FNAME)
+    )
