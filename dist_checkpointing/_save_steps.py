@@ -117,10 +117,12 @@ def write_sharded(
     sharded: SaveShardedStrategy,
     sharded_part: ShardedStateDict,
     finalize: Callable[[], None],
+    abort: Callable[[], None],
     account: OpAccount,
     async_sharded_save: bool,
 ) -> AsyncRequest | None:
-    """Write now and finalize, or return the request that will (async)."""
+    """Write now and finalize, or return the request that will (async; it calls
+    ``abort`` if its call fails)."""
     if not async_sharded_save:
         with account.phase("plan+stage+write"):
             sharded.save(sharded_part, ckpt)
@@ -130,6 +132,7 @@ def write_sharded(
     with account.phase("plan"):
         request = sharded.async_save(sharded_part, ckpt)
     request.add_finalize_fn(finalize)
+    request.add_abort_fn(abort)
     account.mark_blocked()
     return request
 

@@ -204,13 +204,13 @@ def save(
     try:
         with account.phase("common"):
             sharded_part = save_common_part(ckpt, sharded, common, sharded_part, common_part)
-        request = write_sharded(ckpt, sharded, sharded_part, finalize, account, async_sharded_save)
+        abort = functools.partial(commit.abort, ckpt, group)
+        return write_sharded(
+            ckpt, sharded, sharded_part, finalize, abort, account, async_sharded_save
+        )
     except BaseException:
         commit.abort(ckpt, group)
         raise
-    if request is not None:
-        request.add_abort_fn(functools.partial(commit.abort, ckpt, group))
-    return request
 
 
 # --------------------------------------------------------------------------- load
