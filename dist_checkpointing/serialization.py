@@ -152,11 +152,10 @@ def save(
            sharded part (ShardedTensor/ShardedObject leaves) from the common part;
         2. validate that every global tensor is covered exactly once by main
            replicas (every rank raises the same error otherwise);
-        3. the coordinator removes an older checkpoint's commit files, then saves
-           the common part (``common.pt``);
-        4. the sharded strategy writes the shards (in the background with
-           ``async_sharded_save``);
-        5. finalize: ``.metadata`` then ``metadata.json`` mark the checkpoint complete.
+        3. begin the commit protocol (save lock, staged names: an existing
+           checkpoint stays loadable), save the common part (``common.pt``);
+        4. write the shards (in the background with ``async_sharded_save``);
+        5. finalize: ``commit.json`` commits the save (``docs/format.rst``).
 
     Args:
         sharded_state_dict: the state dict with ShardedBase leaves.
