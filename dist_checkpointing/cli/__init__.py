@@ -30,7 +30,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAIL {problem}")
     if report.ok:
         digests = f", {report.digests_checked} sha256 digest(s)" if report.digests_checked else ""
-        print(f"OK {report.path}: {report.checked_files} data file(s){digests}")
+        print(
+            f"OK {report.path}: {report.checked_files} data file(s){digests}, "
+            f"checksums {report.checksums}"
+        )
     return 0 if report.ok else 1
 
 

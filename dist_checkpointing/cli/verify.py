@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .._torch_compat import METADATA_FILE_NAME
 from ..core import maybe_load_config
 from ..engine.checkpoint import integrity
+from ..engine.checkpoint.verify import verify
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.reader import FileSystemReader
 from ..errors import CheckpointingException
@@ -42,6 +43,7 @@ class VerifyReport:
     checked_files: int = 0
     checked_bytes: int = 0
     digests_checked: int = 0
+    checksums: str = "unavailable"  # "verified": every CRC32C of the commit record checked
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -106,6 +108,13 @@ def _check_digests(
         report.digests_checked += 1
 
 
+def _check_record(path: str, report: VerifyReport) -> None:
+    """The commit record's files, sizes and checksums (:func:`dist_checkpointing.verify`)."""
+    found = verify(path, raise_on_error=False)
+    report.checksums = found.checksums
+    report.problems += [p for p in found.problems if p not in report.problems]
+
+
 def verify_checkpoint(path: str | os.PathLike[str], bar: Progress | None = None) -> VerifyReport:
     """Check the checkpoint at ``path``; never raises for a bad checkpoint."""
     path = os.fspath(path)
@@ -130,6 +139,7 @@ def verify_checkpoint(path: str | os.PathLike[str], bar: Progress | None = None)
         if config is not None and not has_common:
             report.problems.append("common state missing (no common.pt, no common_state item)")
         _check_digests(ckpt, data_files, sizes, report, bar)
+        _check_record(path, report)
     except (CheckpointingException, OSError, ValueError) as e:
         report.problems.append(one_line(e))
     return report

@@ -47,6 +47,8 @@ def _rewrite(ckpt_dir: Path, change: Callable[[Metadata], None]) -> None:
     metadata.storage_meta = None
     change(metadata)
     (ckpt_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    # A crafted file comes with the commit record deleted (it would refuse the file first).
+    (ckpt_dir / "commit.json").unlink(missing_ok=True)
 
 
 def _load(ckpt_dir: Path) -> dict[str, Any]:
@@ -179,5 +181,7 @@ def test_metadata_json_fields_have_their_types(ckpt: Path, field: str, value: ob
     config = json.loads((ckpt / "metadata.json").read_text())
     config[field] = value
     (ckpt / "metadata.json").write_text(json.dumps(config))
+    # A crafted file comes with the commit record deleted (it would refuse the file first).
+    (ckpt / "commit.json").unlink(missing_ok=True)
     with pytest.raises(CorruptCheckpointError, match=f"metadata.json: field '{field}'"):
         _load(ckpt)

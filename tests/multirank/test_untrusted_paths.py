@@ -63,6 +63,8 @@ def _rename_files(ckpt_dir: Path, new_name: str, fqn: str | None = None) -> None
             metadata.storage_data[index] = dataclasses.replace(info, relative_path=new_name)
     metadata.storage_meta = None
     (ckpt_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    # A crafted file comes with the commit record deleted (it would refuse the file first).
+    (ckpt_dir / "commit.json").unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- names

@@ -180,6 +180,8 @@ def test_storage_meta_of_another_type_is_refused(tmp_path: Path) -> None:
     metadata = load_metadata(io.BytesIO(raw), source="x")
     metadata.storage_meta = {"load_id": 1}  # type: ignore[assignment]
     (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    # A crafted file comes with the commit record deleted (it would refuse the file first).
+    (tmp_path / "commit.json").unlink(missing_ok=True)
     with pytest.raises(CorruptCheckpointError, match="storage_meta: expected a StorageMeta"):
         dcp.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, tmp_path)
 
