@@ -19,6 +19,7 @@ INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
 ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
 ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent
 ASYNC_WORKER_JOIN_TIMEOUT_S    300.0      wait for a writer process to stop at close
+ASYNC_WORKER_START_TIMEOUT_S   120.0      wait for the persistent worker to be ready
 ============================== ========== ===================================================
 """
 
@@ -96,6 +97,12 @@ ASYNC_WORKER_IDLE_CHECK_S = Knob(
 ASYNC_WORKER_JOIN_TIMEOUT_S = Knob(
     "ASYNC_WORKER_JOIN_TIMEOUT_S", 300.0, 0.0, "seconds to wait for a writer process to stop"
 )
+ASYNC_WORKER_START_TIMEOUT_S = Knob(
+    "ASYNC_WORKER_START_TIMEOUT_S",
+    120.0,
+    0.0,
+    "seconds a new persistent worker may take to be ready (interpreter and torch import)",
+)
 
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
@@ -108,6 +115,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     ASYNC_POLL_INTERVAL_S,
     ASYNC_WORKER_IDLE_CHECK_S,
     ASYNC_WORKER_JOIN_TIMEOUT_S,
+    ASYNC_WORKER_START_TIMEOUT_S,
 )
 
 __all__ = [
@@ -124,4 +132,5 @@ __all__ = [
     "ASYNC_POLL_INTERVAL_S",
     "ASYNC_WORKER_IDLE_CHECK_S",
     "ASYNC_WORKER_JOIN_TIMEOUT_S",
+    "ASYNC_WORKER_START_TIMEOUT_S",
 ]
