@@ -64,15 +64,20 @@ class _SnapshotPickler(ForkingPickler):
 class PersistentAsyncCaller(AsyncCaller):
     """Runs requests in one long-lived worker process per rank.
 
-    The worker is started (``spawn``) on the first request, reused by every later
-    one (no process start per checkpoint), restarted on the next request if it
-    died, and stopped by :meth:`close`. Requests run in the worker one at a time,
-    in scheduling order; several may be pending.
+    The worker (:mod:`.worker`) is started on the first request, reused by every
+    later one (no process start per checkpoint), restarted on the next request if
+    it died, and stopped by :meth:`close`. It is a fresh interpreter that imports
+    this package, never the script's ``__main__`` (a training script needs no
+    ``if __name__ == "__main__":`` guard). Starting it does not block the caller:
+    requests wait in its pipe until it is ready, and one that is not ready within
+    ``DIST_CKPT_ASYNC_WORKER_START_TIMEOUT_S`` fails the calls it holds. Requests
+    run in the worker one at a time, in scheduling order; several may be pending.
 
     Requests travel to the worker pickled with torch.multiprocessing's pickler:
 
-    - ``async_fn`` must be picklable, i.e. a module-level function (no lambda,
-      no local function); otherwise the request fails at finalization.
+    - ``async_fn`` must be picklable, i.e. a module-level function of an
+      importable module (no lambda, no local function, nothing defined in
+      ``__main__``); otherwise the request fails at finalization.
     - CPU tensors in the arguments are *copied* into shared memory when the
       request is scheduled, and the worker maps that copy: the checkpoint holds
       the values at scheduling time even if training updates the tensors in
@@ -87,7 +92,7 @@ class PersistentAsyncCaller(AsyncCaller):
       descriptor until the call ends, so prefer few large tensors.
     - Other arguments (bytes, numpy arrays, ...) are copied.
 
-    Call sequence: see :class:`AsyncCaller`. A result queue carries each call's
+    Call sequence: see :class:`AsyncCaller`. A result pipe carries each call's
     outcome (``None`` or the traceback text) back; a worker that dies fails all
     calls it held, naming its exit code or signal.
     """
@@ -123,6 +128,15 @@ class PersistentAsyncCaller(AsyncCaller):
         if async_req.async_fn is None:
             self._known[ticket] = _CallStatus(call_idx, _State.DONE)
             return
+        if getattr(async_req.async_fn, "__module__", None) == "__main__":
+            self._fail(
+                ticket,
+                call_idx,
+                f"async_fn {async_req.async_fn!r} is defined in the script's __main__, which "
+                "the persistent worker does not run: move it to an importable module (or use "
+                "persistent=False)",
+            )
+            return
         try:
             # Pickled here, not in the queue's feeder thread, so that what the
             # worker receives is fixed when this call returns.
@@ -141,7 +155,7 @@ class PersistentAsyncCaller(AsyncCaller):
         try:
             self._ensure_worker()
             assert self.process is not None
-            self.process.send((ticket, payload))
+            self.process.send_request(ticket, payload)
         except Exception:
             self._fail(
                 ticket, call_idx, format_current_exception("could not reach the persistent worker")
@@ -157,6 +171,11 @@ class PersistentAsyncCaller(AsyncCaller):
     def _fail(self, ticket: int, call_idx: int, error: str) -> None:
         logger.error("rank %d: async call %d failed: %s", _global_rank(), call_idx, error)
         self._known[ticket] = _CallStatus(call_idx, _State.FAILED, error)
+
+    def start_worker(self) -> None:
+        """Start the worker now (if none is running), without waiting for it to be
+        ready, so that the first request does not wait for its start-up."""
+        self._ensure_worker()
 
     def _ensure_worker(self) -> None:
         self._check_worker()
@@ -246,6 +265,7 @@ class _Worker:
         self.started = time.monotonic()
         self.ready_after_s: float | None = None
         self.start_error: str | None = None
+        self.outstanding = 0  # requests sent, results not received yet
 
     @classmethod
     def start(cls) -> _Worker:
@@ -273,6 +293,10 @@ class _Worker:
     def send(self, item: Any) -> None:
         write_frame(self.requests_fd, item)
 
+    def send_request(self, ticket: int, payload: bytes) -> None:
+        self.send((ticket, payload))
+        self.outstanding += 1
+
     def poll(self) -> int | None:
         return self.proc.poll()
 
@@ -286,6 +310,7 @@ class _Worker:
             elif frame[0] == "start-failed":
                 self.start_error = frame[1]
             else:
+                self.outstanding -= 1
                 results.append(frame)
         return results
 
@@ -307,7 +332,11 @@ class _Worker:
 
     def stop(self, abort: bool) -> None:
         """Ask the worker to finish what it holds and exit (``abort``: kill it now);
-        kill it if it does not stop within the join timeout."""
+        kill it if it does not stop within the join timeout. One still starting up
+        with nothing to do is killed at once (close() need not wait for its imports)."""
+        self.read_frames()
+        if not self.outstanding and self.ready_after_s is None:
+            abort = True
         if not abort and self.proc.poll() is None:
             with contextlib.suppress(OSError):  # pipe already broken: it died
                 self.send(None)
