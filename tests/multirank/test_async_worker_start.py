@@ -16,24 +16,30 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
+from dist_checkpointing.engine.async_save import persistent as persistent_module
+from dist_checkpointing.engine.async_save.worker import FrameReader, write_frame
 from dist_checkpointing.errors import CheckpointWriteError
 from dist_checkpointing.strategies.async_utils import (
     AsyncCallsQueue,
     AsyncRequest,
     PersistentAsyncCaller,
+    TemporalAsyncCaller,
 )
 from tests.support.harness import run_distributed
 
@@ -198,3 +204,77 @@ def test_killed_worker_fails_the_call_on_every_rank_then_a_fresh_one_saves(
         assert result["finalized"] == [1] and result["exact"], result
     assert results[0]["second_pid"] != results[0]["first_pid"]  # a fresh worker
     assert results[1]["second_pid"] == results[1]["first_pid"]  # kept its worker
+
+
+def test_worker_that_exits_during_start_up_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_command(requests_fd: int, results_fd: int) -> list[str]:
+        return [sys.executable, "-c", "import sys; sys.exit(3)"]
+
+    monkeypatch.setattr(persistent_module, "worker_command", broken_command)
+    queue = AsyncCallsQueue(persistent=True)
+    try:
+        queue.schedule_async_request(AsyncRequest(_write_text, (str(tmp_path / "a"), "x"), []))
+        with pytest.raises(CheckpointWriteError, match="exited with code 3 before it was ready"):
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+
+
+def test_frame_reader_never_returns_a_frame_cut_short() -> None:
+    read_fd, write_fd = os.pipe()
+    reader = FrameReader(read_fd)
+    try:
+        write_frame(write_fd, ("result", 0, None))
+        whole = pickle.dumps(("result", 1, "x" * 100_000), protocol=pickle.HIGHEST_PROTOCOL)
+        header = struct.pack("!Q", len(whole))
+        os.write(write_fd, header + whole[:1000])  # a writer killed mid-frame
+        assert reader.read_available() == [("result", 0, None)]
+        os.close(write_fd)
+        assert reader.read_available() == [] and reader.eof  # no wait, no partial frame
+    finally:
+        os.close(read_fd)
+
+
+def _rank_temporal_straggler(root: Path) -> dict[str, Any]:
+    """Rank 0's call fails at once, rank 1's is still running: both raise at the next
+    non-blocking check and rank 1's process is killed."""
+    rank = dist.get_rank()
+    queue = AsyncCallsQueue(persistent=False)
+    started, flag = root / f"started.{rank}", root / "never"
+    if rank == 0:
+        request = AsyncRequest(_raise_value_error, ("rank 0 failed",), [])
+    else:
+        request = AsyncRequest(_wait_then_write, (str(started), str(flag), str(root / "x")), [])
+    queue.schedule_async_request(request)
+    caller = queue.async_calls[0].async_caller
+    assert isinstance(caller, TemporalAsyncCaller) and caller.process is not None
+    pid = caller.process.pid
+    if rank == 1:
+        _wait_for(started)
+    else:
+        caller.process.join()  # rank 0's call has failed
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        queue.maybe_finalize_async_calls(blocking=False)
+        error = None
+    except CheckpointWriteError as err:
+        error = str(err)
+    out = {"error": error, "s": time.monotonic() - start, "alive": psutil.pid_exists(pid)}
+    queue.close()
+    return out
+
+
+def _raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+@pytest.mark.slow
+def test_failure_on_one_rank_settles_while_another_still_writes(tmp_path: Path) -> None:
+    results = run_distributed(_rank_temporal_straggler, 2, tmp_path, timeout=120.0)
+    for result in results:
+        assert result["error"] is not None and "rank 0 failed" in result["error"], result
+        assert result["s"] < FLAG_WAIT_S  # not after rank 1's write gave up
+    assert not results[1]["alive"]  # rank 1's straggling writer was killed
