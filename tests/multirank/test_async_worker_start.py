@@ -278,3 +278,27 @@ def test_failure_on_one_rank_settles_while_another_still_writes(tmp_path: Path) 
         assert result["error"] is not None and "rank 0 failed" in result["error"], result
         assert result["s"] < FLAG_WAIT_S  # not after rank 1's write gave up
     assert not results[1]["alive"]  # rank 1's straggling writer was killed
+
+
+def test_worker_that_never_starts_blocks_neither_scheduling_nor_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request larger than a pipe's buffer, for a worker that never reads it."""
+
+    def hanging_command(requests_fd: int, results_fd: int) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(120)"]
+
+    monkeypatch.setattr(persistent_module, "worker_command", hanging_command)
+    monkeypatch.setenv("DIST_CKPT_ASYNC_WORKER_START_TIMEOUT_S", "1.0")
+    queue = AsyncCallsQueue(persistent=True)
+    try:
+        start = time.monotonic()
+        big = "x" * (4 << 20)
+        queue.schedule_async_request(AsyncRequest(_write_text, (str(tmp_path / "a"), big), []))
+        scheduled_s = time.monotonic() - start
+        with pytest.raises(CheckpointWriteError, match="did not start within 1s"):
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    assert scheduled_s < 5.0, scheduled_s  # the send did not wait for the worker
+    assert time.monotonic() - start < 60.0

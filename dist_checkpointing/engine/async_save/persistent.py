@@ -14,8 +14,10 @@ import io
 import logging
 import multiprocessing
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -209,7 +211,7 @@ class PersistentAsyncCaller(AsyncCaller):
         if cause is None:
             return
         for ticket, call_idx in self._pending:
-            if ticket not in self._known:
+            if ticket in self.process.tickets and ticket not in self._known:
                 self._fail(ticket, call_idx, f"{cause} (call {call_idx} was pending)")
         self._release_worker(abort=True)
 
@@ -253,6 +255,12 @@ class PersistentAsyncCaller(AsyncCaller):
         self._known.clear()
 
 
+_FEEDER_EXIT = object()
+# After the worker exited, its feeder's last write fails at once, unless a child of
+# the worker still holds the pipe open; then the pipe is left to the garbage collector.
+_FEEDER_JOIN_TIMEOUT_S = 1.0
+
+
 class _Worker:
     """The parent's handle on one persistent worker (:mod:`.worker`): its process,
     the pipe that carries requests and the one that carries results back."""
@@ -266,6 +274,15 @@ class _Worker:
         self.ready_after_s: float | None = None
         self.start_error: str | None = None
         self.outstanding = 0  # requests sent, results not received yet
+        self.tickets: set[int] = set()  # every request sent to this worker
+        # Frames go out through a feeder thread, in order: a sender never waits for
+        # the worker to read (it reads only once ready, and a payload may exceed the
+        # pipe's buffer), so a worker that never starts cannot block the trainer.
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._feeder = threading.Thread(
+            target=self._feed, name=f"dist-ckpt-worker-{self.pid}-feeder", daemon=True
+        )
+        self._feeder.start()
 
     @classmethod
     def start(cls) -> _Worker:
@@ -291,11 +308,22 @@ class _Worker:
         return worker
 
     def send(self, item: Any) -> None:
-        write_frame(self.requests_fd, item)
+        self._outbox.put(item)
+
+    def _feed(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is _FEEDER_EXIT:
+                return
+            try:
+                write_frame(self.requests_fd, item)
+            except OSError:  # the worker is gone: poll() tells the caller
+                return
 
     def send_request(self, ticket: int, payload: bytes) -> None:
         self.send((ticket, payload))
         self.outstanding += 1
+        self.tickets.add(ticket)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -338,13 +366,15 @@ class _Worker:
         if not self.outstanding and self.ready_after_s is None:
             abort = True
         if not abort and self.proc.poll() is None:
-            with contextlib.suppress(OSError):  # pipe already broken: it died
-                self.send(None)
+            self.send(None)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(knobs.ASYNC_WORKER_JOIN_TIMEOUT_S.get())
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        for fd in (self.requests_fd, self.results.fd):
+        self._outbox.put(_FEEDER_EXIT)
+        self._feeder.join(_FEEDER_JOIN_TIMEOUT_S)  # its writes now fail or complete
+        fds = [self.results.fd] + ([] if self._feeder.is_alive() else [self.requests_fd])
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
