@@ -271,6 +271,7 @@ class _Worker:
         self.requests_fd = requests_fd
         self.results = FrameReader(results_fd)
         self.started = time.monotonic()
+        self._started_wall = time.time()  # the worker reports when it was ready by this clock
         self.ready_after_s: float | None = None
         self.start_error: str | None = None
         self.outstanding = 0  # requests sent, results not received yet
@@ -333,7 +334,7 @@ class _Worker:
         results = []
         for frame in self.results.read_available():
             if frame[0] == "ready":
-                self.ready_after_s = time.monotonic() - self.started
+                self.ready_after_s = frame[1] - self._started_wall
                 logger.debug("persistent worker %d ready after %.3fs", self.pid, self.ready_after_s)
             elif frame[0] == "start-failed":
                 self.start_error = frame[1]

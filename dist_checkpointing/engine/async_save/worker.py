@@ -12,7 +12,7 @@ tuples (:func:`write_frame`, :class:`FrameReader`):
 
 - parent to worker: first ``(sys_path, authkey, parent_pid, log_level)``, then
   ``(ticket, payload)`` per request, ``None`` to stop;
-- worker to parent: ``("ready",)`` once it can run requests (or ``("start-failed",
+- worker to parent: ``("ready", its clock)`` once it can run requests (or ``("start-failed",
   error text)``), then ``("result", ticket, error text or None)`` per request.
 
 The worker takes the parent's ``authkey`` so that CPU tensors shared by file
@@ -32,6 +32,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,7 @@ def main(requests_fd: int, results_fd: int) -> None:
     except BaseException:
         write_frame(results_fd, ("start-failed", format_current_exception("worker start-up")))
         raise
-    write_frame(results_fd, ("ready",))
+    write_frame(results_fd, ("ready", time.time()))
     _serve(requests_fd, results_fd, parent_pid)
 
 
