@@ -23,6 +23,7 @@ CHECKSUM_BLOCK_BYTES           1048576    CRC32C block size of new saves (and mo
 VERIFY_CHECKSUMS               1          verify the checksums of what a load reads (0: off)
 SAVE_LOCK_STALE_S              3600.0     age after which another host's save lock counts as stale
 WRITE_CHECKSUMS                1          checksum data items as they are written (0: off)
+ASYNC_WORKER_START_TIMEOUT_S   120.0      wait for the persistent worker to be ready
 ============================== ========== ===================================================
 """
 
@@ -110,6 +111,12 @@ SAVE_LOCK_STALE_S = Knob(
 WRITE_CHECKSUMS = Knob(
     "WRITE_CHECKSUMS", 1, 0, "checksum data items as they are written (0: off, unverifiable)"
 )
+ASYNC_WORKER_START_TIMEOUT_S = Knob(
+    "ASYNC_WORKER_START_TIMEOUT_S",
+    120.0,
+    0.0,
+    "seconds a new persistent worker may take to be ready (interpreter and torch import)",
+)
 
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
@@ -126,6 +133,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     VERIFY_CHECKSUMS,
     SAVE_LOCK_STALE_S,
     WRITE_CHECKSUMS,
+    ASYNC_WORKER_START_TIMEOUT_S,
 )
 
 __all__ = [
@@ -146,4 +154,5 @@ __all__ = [
     "VERIFY_CHECKSUMS",
     "SAVE_LOCK_STALE_S",
     "WRITE_CHECKSUMS",
+    "ASYNC_WORKER_START_TIMEOUT_S",
 ]

@@ -447,26 +447,27 @@ def _noop() -> None:
 
 def _rank_file_size_limit(root: Path, persistent: bool, thread_count: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    queue = AsyncCallsQueue(persistent=persistent)
     strategy = TorchDistSaveShardedStrategy(thread_count=thread_count)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not death
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
 
-    def limited(fn: Any) -> None:
+    def limited(fn: Any) -> Any:
         """Run ``fn`` with the limit on rank 1: the background process started meanwhile
-        (forked or spawned) inherits it, this process does not keep it."""
+        (forked, or the persistent worker) inherits it, this process does not keep it."""
         if rank == 1:
             resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, old_limit[1]))
         try:
-            fn()
+            return fn()
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
 
+    # The persistent queue starts its worker when created: under the limit. The
+    # request itself is pickled without it (its CPU tensors go to shared memory,
+    # which the limit applies to as well).
+    queue = limited(partial(AsyncCallsQueue, persistent=persistent))
     try:
         if persistent:
-            # Start the worker under the limit; the request itself is pickled without it
-            # (its CPU tensors go to shared memory, which the limit applies to as well).
-            limited(partial(queue.schedule_async_request, AsyncRequest(_noop, (), [])))
+            queue.schedule_async_request(AsyncRequest(_noop, (), []))
             queue.maybe_finalize_async_calls(blocking=True)
         sd = _save_sd(rank, world, 1, wide=True)
         request = dc.save(sd, root / "ckpt", strategy, async_sharded_save=True)

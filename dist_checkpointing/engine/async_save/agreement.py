@@ -1,7 +1,11 @@
 """How the ranks agree on the state of an async call.
 
-Each rank knows only its own writer; a call is settled when no rank of the process
-group is still running it, and it failed if any rank failed. One small all-reduce
+Each rank knows only its own writer; a call succeeded once every rank of the
+process group is done with it, and it failed as soon as any rank failed (a dead
+writer is noticed at the next check on every rank, not after the slowest rank
+finished writing). A rank still writing a failed call then stops waiting for it:
+the temporal caller kills its process, the persistent worker finishes that write
+(its later requests are queued behind it) and its result is ignored. One small all-reduce
 per check (:meth:`RankGroup.all_reduce_ints`); the causes are gathered only when
 some rank failed (:meth:`RankGroup.gather_failures`). A failed call raises
 :class:`~dist_checkpointing.errors.CheckpointWriteError` on every rank and its
@@ -55,9 +59,9 @@ def _settle(
 ) -> _Outcome:
     """Turn one rank's view of a call into the view every rank of ``group`` shares.
 
-    A call is settled when no rank is still running it; it failed if any rank
-    failed. One small all-reduce (MAX) per check; the error texts are gathered
-    only when some rank failed.
+    A call succeeded when every rank is done with it; it failed as soon as any rank
+    failed (the others need not finish first). One small all-reduce (MAX) per
+    check; the error texts are gathered only when some rank failed.
     """
     failed = status.state is _State.FAILED
     if no_dist or not dist_active():
@@ -74,12 +78,10 @@ def _settle(
             f"rank {_global_rank()} has {status.call_idx}): every rank of the process group "
             "must schedule and finalize the same requests"
         )
-    if any_running:
-        return _Outcome(status.call_idx, True, {})
-    failures: dict[int, str] = {}
-    if any_failed:
+    if any_failed:  # settled now, even if a rank still writes: see the module docstring
         failures = ranks.gather_failures(status.error or "unknown error" if failed else None)
-    return _Outcome(status.call_idx, False, failures)
+        return _Outcome(status.call_idx, False, failures)
+    return _Outcome(status.call_idx, bool(any_running), {})
 
 
 def _raise_on_failure(outcome: _Outcome, what: str) -> None:

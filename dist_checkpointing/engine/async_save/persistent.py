@@ -12,10 +12,12 @@ import contextlib
 import functools
 import io
 import logging
+import multiprocessing
 import os
-import pickle
 import queue
-import signal
+import subprocess
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp  # importing it registers the shared-memory reductions
+import torch.multiprocessing  # noqa: F401  (importing it registers the shared-memory reductions)
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ..._torch_compat import new_shared_tensor_like
@@ -33,6 +35,7 @@ from ..process import describe_exit, format_current_exception
 from .agreement import _CallStatus, _global_rank, _State
 from .caller import AsyncCaller
 from .request import AsyncRequest
+from .worker import FrameReader, worker_command, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +66,20 @@ class _SnapshotPickler(ForkingPickler):
 class PersistentAsyncCaller(AsyncCaller):
     """Runs requests in one long-lived worker process per rank.
 
-    The worker is started (``spawn``) on the first request, reused by every later
-    one (no process start per checkpoint), restarted on the next request if it
-    died, and stopped by :meth:`close`. Requests run in the worker one at a time,
-    in scheduling order; several may be pending.
+    The worker (:mod:`.worker`) is started on the first request, reused by every
+    later one (no process start per checkpoint), restarted on the next request if
+    it died, and stopped by :meth:`close`. It is a fresh interpreter that imports
+    this package, never the script's ``__main__`` (a training script needs no
+    ``if __name__ == "__main__":`` guard). Starting it does not block the caller:
+    requests wait in its pipe until it is ready, and one that is not ready within
+    ``DIST_CKPT_ASYNC_WORKER_START_TIMEOUT_S`` fails the calls it holds. Requests
+    run in the worker one at a time, in scheduling order; several may be pending.
 
     Requests travel to the worker pickled with torch.multiprocessing's pickler:
 
-    - ``async_fn`` must be picklable, i.e. a module-level function (no lambda,
-      no local function); otherwise the request fails at finalization.
+    - ``async_fn`` must be picklable, i.e. a module-level function of an
+      importable module (no lambda, no local function, nothing defined in
+      ``__main__``); otherwise the request fails at finalization.
     - CPU tensors in the arguments are *copied* into shared memory when the
       request is scheduled, and the worker maps that copy: the checkpoint holds
       the values at scheduling time even if training updates the tensors in
@@ -86,7 +94,7 @@ class PersistentAsyncCaller(AsyncCaller):
       descriptor until the call ends, so prefer few large tensors.
     - Other arguments (bytes, numpy arrays, ...) are copied.
 
-    Call sequence: see :class:`AsyncCaller`. A result queue carries each call's
+    Call sequence: see :class:`AsyncCaller`. A result pipe carries each call's
     outcome (``None`` or the traceback text) back; a worker that dies fails all
     calls it held, naming its exit code or signal.
     """
@@ -96,10 +104,7 @@ class PersistentAsyncCaller(AsyncCaller):
     ) -> None:
         super().__init__(process_group)
         self.snapshot_cpu_tensors = snapshot_cpu_tensors
-        self._ctx = torch_mp.get_context("spawn")
-        self.process: Any = None
-        self._requests: Any = None  # ctx.Queue of (ticket, payload) or None (stop)
-        self._results: Any = None  # ctx.Queue of (ticket, error text or None)
+        self.process: _Worker | None = None
         self._exit_hook: Callable[[], None] | None = None
         self._next_ticket = 0
         # Calls in scheduling order: (ticket, call_idx), and what is known of them.
@@ -125,6 +130,15 @@ class PersistentAsyncCaller(AsyncCaller):
         if async_req.async_fn is None:
             self._known[ticket] = _CallStatus(call_idx, _State.DONE)
             return
+        if getattr(async_req.async_fn, "__module__", None) == "__main__":
+            self._fail(
+                ticket,
+                call_idx,
+                f"async_fn {async_req.async_fn!r} is defined in the script's __main__, which "
+                "the persistent worker does not run: move it to an importable module (or use "
+                "persistent=False)",
+            )
+            return
         try:
             # Pickled here, not in the queue's feeder thread, so that what the
             # worker receives is fixed when this call returns.
@@ -142,7 +156,8 @@ class PersistentAsyncCaller(AsyncCaller):
             return
         try:
             self._ensure_worker()
-            self._requests.put((ticket, payload))
+            assert self.process is not None
+            self.process.send_request(ticket, payload)
         except Exception:
             self._fail(
                 ticket, call_idx, format_current_exception("could not reach the persistent worker")
@@ -152,62 +167,52 @@ class PersistentAsyncCaller(AsyncCaller):
             "rank %d: call %d sent to worker %d",
             _global_rank(),
             call_idx,
-            self.process.pid,
+            self.process.pid if self.process is not None else -1,
         )
 
     def _fail(self, ticket: int, call_idx: int, error: str) -> None:
         logger.error("rank %d: async call %d failed: %s", _global_rank(), call_idx, error)
         self._known[ticket] = _CallStatus(call_idx, _State.FAILED, error)
 
+    def start_worker(self) -> None:
+        """Start the worker now (if none is running), without waiting for it to be
+        ready, so that the first request does not wait for its start-up."""
+        self._ensure_worker()
+
     def _ensure_worker(self) -> None:
         self._check_worker()
-        if self.process is not None:
-            return
-        self._requests = self._ctx.Queue()
-        self._results = self._ctx.Queue()
-        self.process = self._ctx.Process(
-            target=_persistent_worker_main,
-            args=(
-                self._requests,
-                self._results,
-                os.getpid(),
-                logger.getEffectiveLevel(),
-            ),
-            name=f"dist-ckpt-async-worker-rank{_global_rank()}",
-        )
-        self.process.start()
-        # Best effort for a caller that never calls close(): at interpreter exit
-        # let the worker finish what it holds and stop. Registered after
-        # multiprocessing's own exit hook, so it runs first (atexit is LIFO) and
-        # that hook's join of non-daemonic children does not wait forever.
-        self._exit_hook = functools.partial(
-            _stop_worker, self.process, self._requests, self._results, False
-        )
-        atexit.register(self._exit_hook)
-        logger.debug("rank %d: persistent worker %d started", _global_rank(), self.process.pid)
+        if self.process is None:
+            self.process = _Worker.start()
+            # Best effort for a caller that never calls close(): at interpreter exit
+            # let the worker finish what it holds and stop.
+            self._exit_hook = functools.partial(self.process.stop, False)
+            atexit.register(self._exit_hook)
+            logger.debug("rank %d: persistent worker %d started", _global_rank(), self.process.pid)
 
     def _drain_results(self) -> None:
-        while True:
-            try:
-                ticket, error = self._results.get_nowait()
-            except queue.Empty:
-                return
-            call_idx = next((idx for t, idx in self._pending if t == ticket), -1)
+        if self.process is None:
+            return
+        for frame in self.process.read_frames():
+            ticket, error = frame[1], frame[2]
+            call_idx = next((idx for t, idx in self._pending if t == ticket), None)
+            if call_idx is None:
+                continue  # a call already settled as failed by another rank
             state = _State.DONE if error is None else _State.FAILED
             self._known[ticket] = _CallStatus(call_idx, state, error)
 
     def _check_worker(self) -> None:
-        """Collect results; if the worker died, fail every call it still held."""
+        """Collect results; if the worker died or did not start in time, fail every
+        call it still held and let the next request start a fresh one."""
         if self.process is None:
             return
-        alive = self.process.is_alive()
+        exitcode = self.process.poll()
         self._drain_results()  # after the liveness check: catches results sent before death
-        if alive:
+        cause = self.process.failure(exitcode)
+        if cause is None:
             return
-        cause = f"persistent worker (pid {self.process.pid}) {describe_exit(self.process.exitcode)}"
         for ticket, call_idx in self._pending:
-            if ticket not in self._known:
-                self._fail(ticket, call_idx, f"{cause} while call {call_idx} was pending")
+            if ticket in self.process.tickets and ticket not in self._known:
+                self._fail(ticket, call_idx, f"{cause} (call {call_idx} was pending)")
         self._release_worker(abort=True)
 
     def _current_status(self, blocking: bool) -> _CallStatus:
@@ -233,8 +238,8 @@ class PersistentAsyncCaller(AsyncCaller):
             atexit.unregister(self._exit_hook)
             self._exit_hook = None
         if self.process is not None:
-            _stop_worker(self.process, self._requests, self._results, abort)
-        self.process = self._requests = self._results = None
+            self.process.stop(abort)
+        self.process = None
 
     def close(self, abort: bool = False) -> None:
         """Stop the worker after it finished the requests it holds (``abort``: kill
@@ -250,47 +255,127 @@ class PersistentAsyncCaller(AsyncCaller):
         self._known.clear()
 
 
-def _stop_worker(process: Any, requests: Any, results: Any, abort: bool) -> None:
-    """Stop a persistent worker: ask it to finish and exit, kill it if it will not."""
-    if process.is_alive() and not abort:
-        with contextlib.suppress(OSError, ValueError):  # queue already closed or broken
-            requests.put(None)
-        process.join(knobs.ASYNC_WORKER_JOIN_TIMEOUT_S.get())
-    if process.is_alive():
-        process.kill()
-    process.join()
-    for q in (requests, results):
-        q.close()
-        q.cancel_join_thread()  # whatever is still buffered has no reader any more
+_FEEDER_EXIT = object()
+# After the worker exited, its feeder's last write fails at once, unless a child of
+# the worker still holds the pipe open; then the pipe is left to the garbage collector.
+_FEEDER_JOIN_TIMEOUT_S = 1.0
 
 
-def _persistent_worker_main(requests: Any, results: Any, parent_pid: int, log_level: int) -> None:
-    """Entry point of the persistent worker: run requests until told to stop."""
-    logging.getLogger(__name__).setLevel(log_level)
-    # Ctrl-C reaches the whole process group; the trainer decides what happens,
-    # and the worker finishes what it holds instead of dying mid-write.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while True:
+class _Worker:
+    """The parent's handle on one persistent worker (:mod:`.worker`): its process,
+    the pipe that carries requests and the one that carries results back."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], requests_fd: int, results_fd: int) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.requests_fd = requests_fd
+        self.results = FrameReader(results_fd)
+        self.started = time.monotonic()
+        self._started_wall = time.time()  # the worker reports when it was ready by this clock
+        self.ready_after_s: float | None = None
+        self.start_error: str | None = None
+        self.outstanding = 0  # requests sent, results not received yet
+        self.tickets: set[int] = set()  # every request sent to this worker
+        # Frames go out through a feeder thread, in order: a sender never waits for
+        # the worker to read (it reads only once ready, and a payload may exceed the
+        # pipe's buffer), so a worker that never starts cannot block the trainer.
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._feeder = threading.Thread(
+            target=self._feed, name=f"dist-ckpt-worker-{self.pid}-feeder", daemon=True
+        )
+        self._feeder.start()
+
+    @classmethod
+    def start(cls) -> _Worker:
+        """Start a worker (without waiting for it to be ready) and send it its setup."""
+        req_read, req_write = os.pipe()
+        res_read, res_write = os.pipe()
         try:
-            item = requests.get(timeout=knobs.ASYNC_WORKER_IDLE_CHECK_S.get())
-        except queue.Empty:
-            if os.getppid() != parent_pid:  # orphaned: nobody will collect results
+            proc = subprocess.Popen(
+                worker_command(req_read, res_write),
+                pass_fds=(req_read, res_write),
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            for fd in (req_write, res_read):
+                os.close(fd)
+            raise
+        finally:
+            os.close(req_read)  # the child holds its own copies
+            os.close(res_write)
+        worker = cls(proc, req_write, res_read)
+        authkey = bytes(multiprocessing.current_process().authkey)
+        worker.send((list(sys.path), authkey, os.getpid(), logger.getEffectiveLevel()))
+        return worker
+
+    def send(self, item: Any) -> None:
+        self._outbox.put(item)
+
+    def _feed(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is _FEEDER_EXIT:
                 return
-            continue
-        if item is None:
-            return
-        ticket, payload = item
-        results.put((ticket, _run_payload(payload)))
+            try:
+                write_frame(self.requests_fd, item)
+            except OSError:  # the worker is gone: poll() tells the caller
+                return
 
+    def send_request(self, ticket: int, payload: bytes) -> None:
+        self.send((ticket, payload))
+        self.outstanding += 1
+        self.tickets.add(ticket)
 
-def _run_payload(payload: bytes) -> str | None:
-    """Unpickle and run one request; return None on success, else the error text."""
-    try:
-        async_fn, args, kwargs = pickle.loads(payload)
-    except BaseException:
-        return format_current_exception("persistent worker could not unpickle the request")
-    try:
-        async_fn(*args, **kwargs)
-    except BaseException:  # sys.exit() in async_fn must not end the worker silently
-        return format_current_exception("async_fn raised")
-    return None
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def read_frames(self) -> list[Any]:
+        """The results received so far; start-up frames are consumed here."""
+        results = []
+        for frame in self.results.read_available():
+            if frame[0] == "ready":
+                self.ready_after_s = frame[1] - self._started_wall
+                logger.debug("persistent worker %d ready after %.3fs", self.pid, self.ready_after_s)
+            elif frame[0] == "start-failed":
+                self.start_error = frame[1]
+            else:
+                self.outstanding -= 1
+                results.append(frame)
+        return results
+
+    def failure(self, exitcode: int | None) -> str | None:
+        """Why this worker can no longer run requests, or None if it still can."""
+        name = f"persistent worker (pid {self.pid})"
+        if exitcode is not None:
+            when = "" if self.ready_after_s is not None else " before it was ready"
+            detail = f":\n{self.start_error}" if self.start_error else ""
+            return f"{name} {describe_exit(exitcode)}{when}{detail}"
+        timeout = knobs.ASYNC_WORKER_START_TIMEOUT_S.get()
+        if self.ready_after_s is None and time.monotonic() - self.started > timeout:
+            return (
+                f"{name} did not start within {timeout:g}s (set "
+                f"{knobs.ASYNC_WORKER_START_TIMEOUT_S.env_var} to wait longer; its stderr "
+                "may say why)"
+            )
+        return None
+
+    def stop(self, abort: bool) -> None:
+        """Ask the worker to finish what it holds and exit (``abort``: kill it now);
+        kill it if it does not stop within the join timeout. One still starting up
+        with nothing to do is killed at once (close() need not wait for its imports)."""
+        self.read_frames()
+        if not self.outstanding and self.ready_after_s is None:
+            abort = True
+        if not abort and self.proc.poll() is None:
+            self.send(None)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(knobs.ASYNC_WORKER_JOIN_TIMEOUT_S.get())
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._outbox.put(_FEEDER_EXIT)
+        self._feeder.join(_FEEDER_JOIN_TIMEOUT_S)  # its writes now fail or complete
+        fds = [self.results.fd] + ([] if self._feeder.is_alive() else [self.requests_fd])
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)

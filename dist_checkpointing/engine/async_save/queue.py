@@ -39,8 +39,8 @@ class AsyncCallsQueue:
 
     Args:
         persistent: run requests in one long-lived worker per rank
-            (:class:`PersistentAsyncCaller`) instead of one forked process per
-            request (:class:`TemporalAsyncCaller`).
+            (:class:`PersistentAsyncCaller`, started here, in the background)
+            instead of one forked process per request (:class:`TemporalAsyncCaller`).
         process_group: the ranks that save together (default: the world).
         snapshot_cpu_tensors: with ``persistent``, copy CPU tensors when a request
             is scheduled (see :class:`PersistentAsyncCaller`); the temporal caller
@@ -75,6 +75,10 @@ class AsyncCallsQueue:
         self.async_calls: deque[_ActiveAsyncRequest] = deque()
         self.call_idx = -1
         self.persistent_caller: PersistentAsyncCaller | None = None
+        if persistent:  # its start-up (an interpreter importing torch) overlaps training
+            self._get_async_caller()
+            assert self.persistent_caller is not None
+            self.persistent_caller.start_worker()
 
     def _get_async_caller(self) -> AsyncCaller:
         if not self.persistent:
@@ -126,7 +130,7 @@ class AsyncCallsQueue:
             try:
                 done = active.async_caller.is_current_async_call_done(blocking, no_dist)
             except CheckpointWriteError:
-                self._drop_oldest()
+                self._drop_oldest(abort=True)  # this rank may still be writing it
                 active.async_request.run_abort_fns()
                 raise
             if not done:
@@ -152,10 +156,10 @@ class AsyncCallsQueue:
             finalized.append(active.idx)
         return finalized
 
-    def _drop_oldest(self) -> None:
+    def _drop_oldest(self, abort: bool = False) -> None:
         active = self.async_calls.popleft()
         if isinstance(active.async_caller, TemporalAsyncCaller):
-            active.async_caller.close()
+            active.async_caller.close(abort=abort)
 
     def get_num_unfinalized_calls(self) -> int:
         """Number of scheduled calls not finalized yet (on this rank)."""

@@ -1,0 +1,1 @@
+"""Scripts that tests run as real programs (``python script.py`` or ``torchrun``)."""
