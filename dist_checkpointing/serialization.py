@@ -244,7 +244,7 @@ def save(
         sharded_strategy, common_strategy, async_sharded_save, process_group
     )
     ckpt = CheckpointDir.of(checkpoint_dir)
-    ckpt.require_dir("Checkpoint destination directory")
+    ckpt.require_dir("Checkpoint destination directory", for_writing=True)
     sharded_part, common_part = save_preprocess(
         sharded_state_dict,
         validate_access_integrity,

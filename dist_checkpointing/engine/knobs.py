@@ -19,6 +19,12 @@ INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
 ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
 ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent
 ASYNC_WORKER_JOIN_TIMEOUT_S    300.0      wait for a writer process to stop at close
+MSC_READ_THREADS               8          parallel ranged GETs of one large msc:// read
+MSC_READ_CHUNK_BYTES           8388608    size of each ranged GET of a large msc:// read
+MSC_PREFETCH_WHOLE_FILES       0          1: download whole msc:// data files, read locally
+MSC_WRITE_SPOOL_BYTES          67108864   msc:// upload buffer kept in memory (then on disk)
+MSC_ATTEMPTS                   3          tries of an msc:// request that failed to connect
+MSC_RETRY_DELAY_S              0.5        wait before the first retry (doubles each time)
 ============================== ========== ===================================================
 """
 
@@ -97,6 +103,19 @@ ASYNC_WORKER_JOIN_TIMEOUT_S = Knob(
     "ASYNC_WORKER_JOIN_TIMEOUT_S", 300.0, 0.0, "seconds to wait for a writer process to stop"
 )
 
+MSC_READ_THREADS = Knob("MSC_READ_THREADS", 8, 1, "parallel ranged GETs of one msc:// read")
+MSC_READ_CHUNK_BYTES = Knob(
+    "MSC_READ_CHUNK_BYTES", 8 << 20, 1, "size of each ranged GET of a large msc:// read"
+)
+MSC_PREFETCH_WHOLE_FILES = Knob(
+    "MSC_PREFETCH_WHOLE_FILES", 0, 0, "1: download whole msc:// data files before reading"
+)
+MSC_WRITE_SPOOL_BYTES = Knob(
+    "MSC_WRITE_SPOOL_BYTES", 64 << 20, 0, "msc:// upload buffer kept in memory"
+)
+MSC_ATTEMPTS = Knob("MSC_ATTEMPTS", 3, 1, "tries of an msc:// request that failed to connect")
+MSC_RETRY_DELAY_S = Knob("MSC_RETRY_DELAY_S", 0.5, 0.0, "seconds before the first msc:// retry")
+
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
     WRITE_BUFFER_BYTES,
@@ -108,6 +127,12 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     ASYNC_POLL_INTERVAL_S,
     ASYNC_WORKER_IDLE_CHECK_S,
     ASYNC_WORKER_JOIN_TIMEOUT_S,
+    MSC_READ_THREADS,
+    MSC_READ_CHUNK_BYTES,
+    MSC_PREFETCH_WHOLE_FILES,
+    MSC_WRITE_SPOOL_BYTES,
+    MSC_ATTEMPTS,
+    MSC_RETRY_DELAY_S,
 )
 
 __all__ = [
@@ -124,4 +149,10 @@ __all__ = [
     "ASYNC_POLL_INTERVAL_S",
     "ASYNC_WORKER_IDLE_CHECK_S",
     "ASYNC_WORKER_JOIN_TIMEOUT_S",
+    "MSC_READ_THREADS",
+    "MSC_READ_CHUNK_BYTES",
+    "MSC_PREFETCH_WHOLE_FILES",
+    "MSC_WRITE_SPOOL_BYTES",
+    "MSC_ATTEMPTS",
+    "MSC_RETRY_DELAY_S",
 ]

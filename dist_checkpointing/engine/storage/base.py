@@ -37,6 +37,10 @@ class ReadStream(Protocol):
 class FileSystemIO(ABC):
     """The file operations the checkpoint storage layer needs."""
 
+    #: True where directories are key prefixes that exist while they hold files
+    #: (object stores): a save may then target a location that does not exist yet.
+    implicit_directories: bool = False
+
     @abstractmethod
     def join(self, directory: str, name: str) -> str:
         """The path of ``name`` inside ``directory``."""

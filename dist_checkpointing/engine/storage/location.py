@@ -62,8 +62,14 @@ class CheckpointDir:
         """Whether the root exists as a directory."""
         return self.fs.is_dir(self.root)
 
-    def require_dir(self, what: str = "Checkpoint directory") -> None:
-        """Raise :class:`CheckpointNotFoundError` unless the root is a directory."""
+    def require_dir(self, what: str = "Checkpoint directory", *, for_writing: bool = False) -> None:
+        """Raise :class:`CheckpointNotFoundError` unless the root is a directory.
+
+        With ``for_writing`` a backend whose directories are key prefixes (object
+        stores) accepts any root: its "directory" appears with the first file.
+        """
+        if for_writing and self.fs.implicit_directories:
+            return
         if not self.is_dir():
             raise CheckpointNotFoundError(f"{what} does not exist: {self.root}")
 
