@@ -252,7 +252,7 @@ def save(
         process_group,
     )
     group = RankGroup(process_group)
-    commit.begin(ckpt, group, (*sharded.commit_files, integrity.INTEGRITY_FNAME))
+    _begin_on_every_rank(ckpt, group, (*sharded.commit_files, integrity.INTEGRITY_FNAME))
     if content_metadata is not None:
         common_part[CONTENT_METADATA_KEY] = content_metadata
     sharded_part = _save_common_part(ckpt, sharded, common, sharded_part, common_part)
@@ -265,6 +265,19 @@ def save(
     request = sharded.async_save(sharded_part, ckpt)
     request.add_finalize_fn(finalize)
     return request
+
+
+def _begin_on_every_rank(
+    ckpt: CheckpointDir, group: RankGroup, commit_files: tuple[str, ...]
+) -> None:
+    """:func:`commit.begin` (the coordinator acts); its failure (e.g. storage refused
+    the listing) is raised on every rank."""
+    error: Exception | None = None
+    try:
+        commit.begin(ckpt, group, commit_files)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    group.fail_together(error, f"preparing checkpoint {ckpt}")
 
 
 # --------------------------------------------------------------------------- load
