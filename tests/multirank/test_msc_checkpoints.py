@@ -191,3 +191,37 @@ def test_object_bytes_are_the_local_bytes(msc_store: MscStore, profile: str) -> 
     assert bytes(part) == data[3:13] and ckpt.size("__0_0.distcp") == len(data)
     buf = io.BytesIO(data)
     assert buf.getbuffer().nbytes > _ref("a").nbytes
+
+
+# ----------------------------------------------------------------------------- interrupted
+
+
+def _rank_interrupted_save(url: str) -> tuple[str, list[str]]:
+    """Rank 1's data upload fails: the save fails everywhere and commits nothing."""
+    from dist_checkpointing.engine.storage import msc
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 1:
+
+        def fail(self: Any) -> None:
+            raise ConnectionError(f"simulated interruption of the upload of {self.url}")
+
+        msc.UploadStream._upload = fail  # type: ignore[method-assign]
+    try:
+        dcp.save(_state(rank, world), url)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = type(exc).__name__
+    else:
+        error = ""
+    dist.barrier()
+    return error, CheckpointDir.of(url).listdir()
+
+
+def test_interrupted_upload_never_looks_complete(msc_store: MscStore, profile: str) -> None:
+    url = msc_store.url(profile)
+    results = run_distributed(_rank_interrupted_save, 2, url, timeout=120.0)
+    assert all(error for error, _ in results), results
+    for _, names in results:
+        assert not {".metadata", "metadata.json"} & set(names), names
+    with pytest.raises(FileNotFoundError):  # CheckpointNotFound / IncompleteCheckpoint
+        dcp.load_common_state_dict(url)
