@@ -19,8 +19,9 @@ INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
 ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
 ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent
 ASYNC_WORKER_JOIN_TIMEOUT_S    300.0      wait for a writer process to stop at close
-MSC_READ_THREADS               8          parallel ranged GETs of one large msc:// read
-MSC_READ_CHUNK_BYTES           8388608    size of each ranged GET of a large msc:// read
+MSC_READ_THREADS               4          msc:// files read at once; GETs of one large read
+MSC_READ_WINDOW_BYTES          67108864   msc:// items up to this are fetched whole, together
+MSC_READ_CHUNK_BYTES           33554432   size of each ranged GET of a large msc:// read
 MSC_PREFETCH_WHOLE_FILES       0          1: download whole msc:// data files, read locally
 MSC_WRITE_SPOOL_BYTES          67108864   msc:// upload buffer kept in memory (then on disk)
 MSC_ATTEMPTS                   3          tries of an msc:// request that failed to connect
@@ -103,9 +104,14 @@ ASYNC_WORKER_JOIN_TIMEOUT_S = Knob(
     "ASYNC_WORKER_JOIN_TIMEOUT_S", 300.0, 0.0, "seconds to wait for a writer process to stop"
 )
 
-MSC_READ_THREADS = Knob("MSC_READ_THREADS", 8, 1, "parallel ranged GETs of one msc:// read")
+MSC_READ_THREADS = Knob(
+    "MSC_READ_THREADS", 4, 1, "msc:// files read at once, and ranged GETs of one large read"
+)
+MSC_READ_WINDOW_BYTES = Knob(
+    "MSC_READ_WINDOW_BYTES", 64 << 20, 1, "msc:// items up to this size are fetched whole"
+)
 MSC_READ_CHUNK_BYTES = Knob(
-    "MSC_READ_CHUNK_BYTES", 8 << 20, 1, "size of each ranged GET of a large msc:// read"
+    "MSC_READ_CHUNK_BYTES", 32 << 20, 1, "size of each ranged GET of a large msc:// read"
 )
 MSC_PREFETCH_WHOLE_FILES = Knob(
     "MSC_PREFETCH_WHOLE_FILES", 0, 0, "1: download whole msc:// data files before reading"
@@ -128,6 +134,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     ASYNC_WORKER_IDLE_CHECK_S,
     ASYNC_WORKER_JOIN_TIMEOUT_S,
     MSC_READ_THREADS,
+    MSC_READ_WINDOW_BYTES,
     MSC_READ_CHUNK_BYTES,
     MSC_PREFETCH_WHOLE_FILES,
     MSC_WRITE_SPOOL_BYTES,
@@ -150,6 +157,7 @@ __all__ = [
     "ASYNC_WORKER_IDLE_CHECK_S",
     "ASYNC_WORKER_JOIN_TIMEOUT_S",
     "MSC_READ_THREADS",
+    "MSC_READ_WINDOW_BYTES",
     "MSC_READ_CHUNK_BYTES",
     "MSC_PREFETCH_WHOLE_FILES",
     "MSC_WRITE_SPOOL_BYTES",

@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import Any, BinaryIO, Protocol
 
+from .. import knobs
+
 
 class ReadStream(Protocol):
     """A file opened by :meth:`FileSystemIO.open_read` (a context manager)."""
@@ -40,6 +42,21 @@ class FileSystemIO(ABC):
     #: True where directories are key prefixes that exist while they hold files
     #: (object stores): a save may then target a location that does not exist yet.
     implicit_directories: bool = False
+
+    def parallel_reads(self) -> int:
+        """How many data files a rank reads at once at least (object stores: several,
+        to hide the latency of each request)."""
+        return 1
+
+    def read_limits(self) -> tuple[int, int, int]:
+        """``(small_item, max_gap, window)`` bytes for coalescing reads: items of at most
+        ``small_item`` bytes, at most ``max_gap`` apart, are fetched together in reads of
+        at most ``window`` bytes (see :mod:`..knobs`, ``READ_*``)."""
+        return (
+            knobs.READ_SMALL_ITEM_BYTES.get(),
+            knobs.READ_MAX_GAP_BYTES.get(),
+            knobs.READ_WINDOW_BYTES.get(),
+        )
 
     @abstractmethod
     def join(self, directory: str, name: str) -> str:

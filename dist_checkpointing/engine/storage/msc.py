@@ -112,15 +112,30 @@ class MscFileSystem(FileSystemIO):
 
     def __init__(self) -> None:
         import_msc()  # fail early, with the install hint
+        # Size of each object just opened by open_read (its HEAD), for the file_size
+        # call that follows: one HEAD per opened file, not two.
+        self._opened_sizes: dict[str, int] = {}
+
+    def parallel_reads(self) -> int:
+        return knobs.MSC_READ_THREADS.get()
 
     def join(self, directory: str, name: str) -> str:
         return f"{directory.rstrip('/')}/{name}"
+
+    def read_limits(self) -> tuple[int, int, int]:
+        """Each request costs a round trip: items up to ``MSC_READ_WINDOW_BYTES`` are
+        fetched whole, with their neighbours, in windows of that size."""
+        window = knobs.MSC_READ_WINDOW_BYTES.get()
+        return window, max(knobs.READ_MAX_GAP_BYTES.get(), 1 << 20), window
 
     def open_write(self, path: str) -> BinaryIO:
         return cast(BinaryIO, UploadStream(path))
 
     def open_read(self, path: str) -> ReadStream:
-        size = self.file_size(path)
+        size = self._stat_size(path)
+        if len(self._opened_sizes) > 1024:
+            self._opened_sizes.clear()
+        self._opened_sizes[path] = size
         if knobs.MSC_PREFETCH_WHOLE_FILES.get():
             local = tempfile.TemporaryFile(prefix="dist_ckpt_msc_")  # noqa: SIM115 - returned
             try:
@@ -172,6 +187,10 @@ class MscFileSystem(FileSystemIO):
         """Nothing to do: an object store's prefixes exist while they hold objects."""
 
     def file_size(self, path: str) -> int:
+        size = self._opened_sizes.pop(path, None)
+        return self._stat_size(path) if size is None else size
+
+    def _stat_size(self, path: str) -> int:
         info = call(path, "stat", lambda c, p: c.info(p))
         if info.type != "file":
             raise IsADirectoryError(errno.EISDIR, "not an object", path)
@@ -285,8 +304,10 @@ class RangedReader(io.RawIOBase):
 
     def _fetch(self, offset: int, view: memoryview) -> int:
         """Fill ``view`` from ``offset``; the number of bytes the object had there."""
-        chunk = knobs.MSC_READ_CHUNK_BYTES.get()
-        spans = [(start, min(chunk, len(view) - start)) for start in range(0, len(view), chunk)]
+        # Pieces of about MSC_READ_CHUNK_BYTES (never one sliver more: requests cost).
+        pieces = max(1, round(len(view) / knobs.MSC_READ_CHUNK_BYTES.get()))
+        step = -(-len(view) // pieces)
+        spans = [(start, min(step, len(view) - start)) for start in range(0, len(view), step)]
         threads = min(knobs.MSC_READ_THREADS.get(), len(spans))
 
         def get(span: tuple[int, int]) -> int:

@@ -35,7 +35,6 @@ from ...errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from .. import knobs
 from ..safety import load_metadata, safe_torch_load
 from .base import ReadStream
 from .item_reader import TensorRecord, parse_tensor_item
@@ -152,9 +151,10 @@ class FileSystemReader(StorageReader):
                 ) from None
             per_file.setdefault(info.relative_path, []).append((read_item, info))
         lock: AbstractContextManager[Any] = nullcontext()
-        if self.thread_count > 1 and len(per_file) > 1:
+        threads = max(self.thread_count, self.fs.parallel_reads())
+        if threads > 1 and len(per_file) > 1:
             lock = threading.Lock()
-            with ThreadPoolExecutor(min(self.thread_count, len(per_file))) as pool:
+            with ThreadPoolExecutor(min(threads, len(per_file))) as pool:
                 jobs = [
                     pool.submit(self._read_file, rel, items, planner, lock)
                     for rel, items in per_file.items()
@@ -199,7 +199,7 @@ class FileSystemReader(StorageReader):
                 f"{' ...' if len(keys) > 10 else ''}"
             ) from None
         with stream:
-            file = _File(stream, path, self.fs.file_size(path))
+            file = _File(stream, path, self.fs.file_size(path), self.fs.read_limits())
             for read_item, info in items:
                 file.check_range(info.offset, info.length, read_item)
             i = 0
@@ -269,7 +269,7 @@ def read_object_bytes(
     except FileNotFoundError:
         raise CorruptCheckpointError(f"data file {path} is missing; it holds {key!r}") from None
     with stream:
-        file = _File(stream, path, reader.fs.file_size(path))
+        file = _File(stream, path, reader.fs.file_size(path), reader.fs.read_limits())
         file.check_range(info.offset, info.length, read_item)
         buf = bytearray(info.length)
         file.readinto(info.offset, memoryview(buf), read_item)
@@ -282,10 +282,13 @@ def read_object_bytes(
 class _File:
     """One open data file; serves small items from a window of bytes read at once."""
 
-    def __init__(self, stream: ReadStream, path: str, size: int) -> None:
+    def __init__(
+        self, stream: ReadStream, path: str, size: int, limits: tuple[int, int, int]
+    ) -> None:
         self.stream = stream
         self.path = path
         self.size = size
+        self.limits = limits  # FileSystemIO.read_limits(): (small item, max gap, window)
         self.window_start = 0
         self.window = memoryview(b"")
         self.window_address = 0  # address of the window's first byte
@@ -304,10 +307,9 @@ class _File:
         Returns ``i + 1`` without reading when items[i] is large (it is read in place).
         """
         # Small items are fetched together with their neighbours, in reads of up to
-        # READ_WINDOW_BYTES, skipping gaps of at most READ_MAX_GAP_BYTES (see knobs).
-        small = knobs.READ_SMALL_ITEM_BYTES.get()
-        max_gap = knobs.READ_MAX_GAP_BYTES.get()
-        window = knobs.READ_WINDOW_BYTES.get()
+        # READ_WINDOW_BYTES, skipping gaps of at most READ_MAX_GAP_BYTES (see knobs;
+        # object stores, where each request costs, use larger limits).
+        small, max_gap, window = self.limits
         start = items[i][1].offset
         end = start + items[i][1].length
         if items[i][1].length > small:
