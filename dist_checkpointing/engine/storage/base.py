@@ -70,6 +70,12 @@ class FileSystemIO(ABC):
     def open_read(self, path: str) -> ReadStream:
         """Open ``path`` for reading with ``seek``/``readinto``; the caller closes it."""
 
+    def read_whole(self, path: str) -> bytes:
+        """The whole content of file ``path`` (object stores: one GET)."""
+        with self.open_read(path) as stream:
+            data: bytes = stream.read()
+        return data
+
     @abstractmethod
     def fsync(self, stream: BinaryIO) -> None:
         """Flush ``stream`` (opened by :meth:`open_write`) and make its bytes durable."""

@@ -93,9 +93,7 @@ class CheckpointDir:
 
     def read_bytes(self, name: str) -> bytes:
         """The whole content of file ``name``."""
-        with self.open_read(name) as stream:
-            data: bytes = stream.read()
-        return data
+        return self.fs.read_whole(self.path(name))
 
     def atomic_write(self, name: str, data: bytes, *, sync: bool = True) -> None:
         """Replace file ``name`` with ``data`` atomically (durably with ``sync``)."""

@@ -147,6 +147,9 @@ class MscFileSystem(FileSystemIO):
             return cast(ReadStream, local)
         return RangedReader(path, size)
 
+    def read_whole(self, path: str) -> bytes:
+        return call(path, "download", lambda c, p: bytes(c.read(p)))
+
     def fsync(self, stream: BinaryIO) -> None:
         stream.flush()  # durable once uploaded (at close)
 
@@ -180,8 +183,14 @@ class MscFileSystem(FileSystemIO):
         return self._info(path) is not None
 
     def is_dir(self, path: str) -> bool:
-        info = self._info(path.rstrip("/"))
-        return info is not None and info.type == "directory"
+        """Whether prefix ``path`` holds objects (one listing request)."""
+        prefix = path.rstrip("/") + "/"
+
+        def holds_objects(client: Any, key: str) -> bool:
+            base = key.rstrip("/") + "/" if key.strip("/") else ""
+            return next(iter(client.list(base, include_directories=True)), None) is not None
+
+        return call(prefix, "listing", holds_objects)
 
     def makedirs(self, path: str) -> None:
         """Nothing to do: an object store's prefixes exist while they hold objects."""
