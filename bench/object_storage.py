@@ -108,14 +108,38 @@ def s3_client(endpoint: str) -> Any:
 def msc_config(endpoint: str, bucket: str) -> dict[str, Any]:
     options = {"base_path": bucket, "endpoint_url": endpoint, "region_name": REGION}
     creds = {"access_key": KEYS["aws_access_key_id"], "secret_key": KEYS["aws_secret_access_key"]}
+    # "bench-whole": single-PUT uploads up to 1 GiB (the raw baseline's request pattern).
+    whole = {**options, "multipart_threshold": 1 << 30}
     return {
         "profiles": {
-            "bench": {
-                "storage_provider": {"type": "s3", "options": options},
+            name: {
+                "storage_provider": {"type": "s3", "options": opts},
                 "credentials_provider": {"type": "S3Credentials", "options": creds},
             }
+            for name, opts in (("bench", options), ("bench-whole", whole))
         }
     }
+
+
+# The "msc-whole" run: one request per data file, as the raw baseline (knobs read at use).
+WHOLE_FILE_KNOBS = {
+    "DIST_CKPT_MSC_WRITE_SPOOL_BYTES": str(1 << 30),
+    "DIST_CKPT_MSC_READ_WINDOW_BYTES": str(1 << 30),
+    "DIST_CKPT_MSC_READ_CHUNK_BYTES": str(1 << 30),
+}
+
+
+def measure_whole(local: dict[str, torch.Tensor], i: int) -> dict[str, Measurement]:
+    saved = {k: os.environ.get(k) for k in WHOLE_FILE_KNOBS}
+    os.environ.update(WHOLE_FILE_KNOBS)
+    try:
+        return measure_ours(local, 1, lambda _: f"msc://bench-whole/whole_{i}")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def setup_endpoint(args: argparse.Namespace, workdir: str) -> tuple[Any, str, str]:
@@ -206,19 +230,21 @@ def report(nbytes: int, r: dict[str, dict[str, Measurement]], repeat: int) -> No
         f"\n== object storage: {fmt_mib(nbytes).strip()} in total, {world()} ranks, "
         f"{THREAD_COUNT} files per rank, best of {repeat} =="
     )
-    log(f"{'method':6} {'op':5} {'seconds':>8} {'throughput':>12} {'peak RSS/rank':>14}")
+    log(f"{'method':9} {'op':5} {'seconds':>8} {'throughput':>12} {'peak RSS/rank':>14}")
     for method, ops in r.items():
         for op, m in ops.items():
             log(
-                f"{method:6} {op:5} {m.seconds:8.3f} {fmt_gbps(nbytes, m.seconds):>12} "
+                f"{method:9} {op:5} {m.seconds:8.3f} {fmt_gbps(nbytes, m.seconds):>12} "
                 f"{fmt_mib(m.peak_rss):>14}"
             )
-    for op in ("save", "load"):
-        msc, raw, disk = r["msc"][op], r["raw"][op], r["local"][op]
-        log(
-            f"{op}: msc:// at {100 * raw.seconds / msc.seconds:5.1f}% of raw boto3 throughput; "
-            f"{100 * disk.seconds / msc.seconds:5.1f}% of the local-disk checkpoint's"
-        )
+    for method in ("msc", "msc-whole"):
+        for op in ("save", "load"):
+            msc, raw, disk = r[method][op], r["raw"][op], r["local"][op]
+            log(
+                f"{op}: {method} at {100 * raw.seconds / msc.seconds:5.1f}% of raw boto3 "
+                f"throughput; {100 * disk.seconds / msc.seconds:5.1f}% of the local-disk "
+                f"checkpoint's"
+            )
 
 
 def main() -> None:
@@ -241,10 +267,11 @@ def main() -> None:
         # Interleaved (raw, msc, raw, msc, ...) so that both see the same server state
         # and load on a shared machine; the best of each is reported.
         client, blob = s3_client(endpoint), raw_blob(list(local.values()))
-        runs: dict[str, list[dict[str, Measurement]]] = {"raw": [], "msc": []}
+        runs: dict[str, list[dict[str, Measurement]]] = {"raw": [], "msc": [], "msc-whole": []}
         for i in range(args.repeat):
             runs["raw"].append(measure_raw(client, bucket, blob, 1, f"raw{i}"))
             runs["msc"].append(measure_ours(local, 1, lambda _, i=i: f"msc://bench/ckpt_{i}"))
+            runs["msc-whole"].append(measure_whole(local, i))
         results = {m: _best(r) for m, r in runs.items()}
         disk = os.path.join(workdir, "disk")
         if rank() == 0:

@@ -16,9 +16,11 @@ Semantics on an object store:
   ``MSC_WRITE_SPOOL_BYTES``, then in a local temporary file) and uploads it
   when closed without error; a failed write uploads nothing;
 - :meth:`MscFileSystem.open_read` serves ``seek``/``readinto`` with ranged
-  GETs; a large read is split into ``MSC_READ_CHUNK_BYTES`` ranges fetched by
-  at most ``MSC_READ_THREADS`` threads, so at most that many chunks are in
-  flight. With ``MSC_PREFETCH_WHOLE_FILES=1`` the object is downloaded whole
+  GETs; a large read is split into pieces of about ``MSC_READ_CHUNK_BYTES``
+  fetched by at most ``MSC_READ_THREADS`` threads, so at most that many pieces
+  are in flight; :meth:`MscFileSystem.read_limits` makes the reader fetch
+  items up to ``MSC_READ_WINDOW_BYTES`` whole (one GET per window), and
+  :meth:`MscFileSystem.parallel_reads` several files at once. With ``MSC_PREFETCH_WHOLE_FILES=1`` the object is downloaded whole
   into a local temporary file first (for stores that favour whole objects).
 
 Errors name the URL: a missing object raises :class:`FileNotFoundError`;
