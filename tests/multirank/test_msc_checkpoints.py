@@ -170,7 +170,9 @@ def test_remove_sharded_tensors(msc_store: MscStore, profile: str) -> None:
         "model.a": ShardedTensor.from_rank_offsets("model.a", _ref("a")),
         "opt.m": ShardedTensor.from_rank_offsets("opt.m", _ref("m")),
     }
+    assert not dcp.check_is_distributed_checkpoint(url)
     dcp.save(state, url)
+    assert dcp.check_is_distributed_checkpoint(url)
     dcp.remove_sharded_tensors(url, "opt.")
     assert set(dcp.load_tensors_metadata(url)) == {"model.a"}
     plain = dcp.load_plain_tensors(url)

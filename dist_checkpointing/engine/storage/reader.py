@@ -40,6 +40,7 @@ from .base import ReadStream
 from .item_reader import TensorRecord, parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
+from .resolve import is_url
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class FileSystemReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a local directory path."""
         text = os.fspath(checkpoint_id)
-        return "://" not in text and os.path.isdir(text)
+        return not is_url(text) and os.path.isdir(text)
 
     # ----------------------------------------------------------------- per file
 
