@@ -26,6 +26,8 @@ T = TypeVar("T")
 
 Location = str | os.PathLike[str]
 
+_IS_DIR_KEY = "\0is_dir"  # a memo key no file name can take
+
 
 @dataclass(frozen=True, eq=False)
 class CheckpointDir:
@@ -59,8 +61,14 @@ class CheckpointDir:
         return self.fs.join(self.root, name)
 
     def is_dir(self) -> bool:
-        """Whether the root exists as a directory."""
-        return self.fs.is_dir(self.root)
+        """Whether the root exists as a directory (once found, remembered for the
+        handle's life: on object stores each check is a listing request)."""
+        if self._memo.get(_IS_DIR_KEY):
+            return True
+        found = self.fs.is_dir(self.root)
+        if found:
+            self._memo[_IS_DIR_KEY] = True
+        return found
 
     def require_dir(self, what: str = "Checkpoint directory", *, for_writing: bool = False) -> None:
         """Raise :class:`CheckpointNotFoundError` unless the root is a directory.
