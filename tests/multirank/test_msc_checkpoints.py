@@ -227,3 +227,24 @@ def test_interrupted_upload_never_looks_complete(msc_store: MscStore, profile: s
         assert not {".metadata", "metadata.json"} & set(names), names
     with pytest.raises(FileNotFoundError):  # CheckpointNotFound / IncompleteCheckpoint
         dcp.load_common_state_dict(url)
+
+
+def test_failed_write_uploads_nothing_and_spooled_upload(
+    msc_store: MscStore, profile: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = CheckpointDir.of(msc_store.url(profile))
+    with pytest.raises(RuntimeError), ckpt.fs.open_write(ckpt.path("partial")) as stream:
+        stream.write(b"x" * 100)
+        raise RuntimeError("writer failed")
+    assert not ckpt.has("partial")
+    # Past the in-memory spool: the file goes through a local temporary file (upload_file).
+    monkeypatch.setenv("DIST_CKPT_MSC_WRITE_SPOOL_BYTES", "1000")
+    data = bytes(range(256)) * 40
+    with ckpt.fs.open_write(ckpt.path("big")) as stream:
+        for i in range(0, len(data), 999):
+            assert stream.write(data[i : i + 999]) == len(data[i : i + 999])
+        assert stream.tell() == len(data)
+    assert ckpt.read_bytes("big") == data
+    assert ckpt.listdir() == ["big"]
+    ckpt.remove("big")
+    assert not ckpt.has("big") and not ckpt.fs.is_dir(ckpt.root)

@@ -211,19 +211,19 @@ class MscFileSystem(FileSystemIO):
 class UploadStream(io.RawIOBase):
     """A write-only file that becomes one object when closed without error.
 
-    Bytes are kept in memory up to ``MSC_WRITE_SPOOL_BYTES`` (then in a local
-    temporary file). A small file is uploaded with one PUT, a larger one with
-    MSC's ``upload_file`` (multipart). Leaving a ``with`` block by an exception
-    discards the bytes: nothing is uploaded.
+    Bytes are kept in memory up to ``MSC_WRITE_SPOOL_BYTES``, then in a named local
+    temporary file. A file kept in memory is uploaded with one PUT; a larger one with
+    MSC's ``upload_file`` from the temporary file (multipart where the profile says
+    so). Leaving a ``with`` block by an exception discards the bytes: nothing is
+    uploaded.
     """
 
     def __init__(self, url: str) -> None:
         super().__init__()
         self.url = url
         self._spool_limit = knobs.MSC_WRITE_SPOOL_BYTES.get()
-        self._buffer = tempfile.SpooledTemporaryFile(  # noqa: SIM115 - closed in close()
-            max_size=self._spool_limit, prefix="dist_ckpt_upload_"
-        )
+        self._memory: io.BytesIO | None = io.BytesIO()
+        self._disk: Any = None  # a NamedTemporaryFile once past the spool limit
         self._size = 0
         self._discard = False
 
@@ -231,7 +231,13 @@ class UploadStream(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
-        n = self._buffer.write(data)
+        n = memoryview(data).nbytes
+        if self._memory is not None and self._size + n > self._spool_limit:
+            self._disk = tempfile.NamedTemporaryFile(prefix="dist_ckpt_upload_")  # noqa: SIM115
+            self._disk.write(self._memory.getbuffer())
+            self._memory = None
+        target = self._memory if self._memory is not None else self._disk
+        target.write(data)
         self._size += n
         return n
 
@@ -254,22 +260,19 @@ class UploadStream(io.RawIOBase):
             if not self._discard:
                 self._upload()
         finally:
-            self._buffer.close()
+            if self._disk is not None:
+                self._disk.close()  # removes the temporary file
+            self._memory = None
             super().close()
 
     def _upload(self) -> None:
-        buffer = self._buffer
-        if self._size <= self._spool_limit:
-            buffer.seek(0)
-            data = buffer.read()
+        if self._memory is not None:
+            data = self._memory.getvalue()
             call(self.url, "upload", lambda c, p: c.write(p, data))
             return
-
-        def upload(client: Any, path: str) -> None:
-            buffer.seek(0)
-            client.upload_file(path, buffer)
-
-        call(self.url, "upload", upload)
+        self._disk.flush()
+        name = self._disk.name
+        call(self.url, "upload", lambda c, p: c.upload_file(p, name))
 
 
 class RangedReader(io.RawIOBase):
