@@ -26,13 +26,14 @@ help:
 	@echo "make format     apply ruff fixes and formatting"
 	@echo "make docs       build the HTML docs into $(DOCS_BUILD)/html"
 	@echo "make bench      run bench/*.py on $(NPROC) ranks"
-	@echo "make install    create $(VENV) and install the package with its dev tools"
+	@echo "make install    create $(VENV); install the package, its dev tools and extras"
+	@echo "                (nvrx, msc) and the test servers (moto[server], boto3)"
 	@echo "make clean      remove build, cache and docs output (distclean: also $(VENV))"
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install -e ".[dev,nvrx,cli]"
+	$(BIN)/python -m pip install -e ".[dev,nvrx,cli,msc]"
 	touch $@
 
 venv install: $(STAMP)

@@ -14,9 +14,13 @@ DEV_REQUIRES = [
     "hypothesis>=6",
     "ruff>=0.6",
     "mypy>=1.10",
+    # The msc:// tests start moto's S3 server on 127.0.0.1 (tests/support/msc_server.py).
+    "moto[server]>=5",
+    "boto3",
 ]
 DOCS_REQUIRES = ["sphinx>=7"]
 CLI_REQUIRES = ["tqdm>=4.60", "safetensors>=0.4"]
+MSC_REQUIRES = ["multi-storage-client>=1.0"]
 # Local checkpoints (tensor_aware_state_dict) with nvidia-resiliency-ext's checkpoint managers.
 # pynvml 13 (a dependency of it) warns on every `import torch`; 12 is the same API, silent.
 NVRX_REQUIRES = ["nvidia-resiliency-ext>=0.4", "pynvml<13"]
@@ -43,7 +47,8 @@ setup(
         "docs": DOCS_REQUIRES,
         # The CLI (python -m dist_checkpointing): progress bars, safetensors conversion.
         "cli": CLI_REQUIRES,
-        "msc": ["multi-storage-client"],
+        # msc:// checkpoint URLs (object storage through multi-storage-client profiles).
+        "msc": MSC_REQUIRES,
         "nvrx": NVRX_REQUIRES,
     },
     entry_points={"console_scripts": ["dist-checkpointing = dist_checkpointing.cli:main_exit"]},

@@ -119,6 +119,11 @@ class MissingDependencyError(UnsupportedFeatureError, ImportError):
     what to install."""
 
 
+class StorageAccessError(CheckpointingException, OSError):
+    """The storage backend refused a request (credentials, permissions) or could not
+    be reached after a bounded number of retries; the message names the URL."""
+
+
 __all__ = [
     "CheckpointingException",
     "ShardingError",
@@ -139,4 +144,5 @@ __all__ = [
     "InvalidArgumentError",
     "UnsupportedFeatureError",
     "MissingDependencyError",
+    "StorageAccessError",
 ]

@@ -184,7 +184,7 @@ def save(
         sharded_strategy, common_strategy, async_sharded_save, process_group
     )
     ckpt = CheckpointDir.of(checkpoint_dir)
-    ckpt.require_dir("Checkpoint destination directory")
+    ckpt.require_dir("Checkpoint destination directory", for_writing=True)
     group = RankGroup(process_group)
     account = OpAccount(logger, "save", ckpt, group.rank)
     with account.phase("validate"):

@@ -5,6 +5,8 @@
 - Multi-rank tests use :func:`tests.support.harness.run_distributed`; parametrize their world size with
   :func:`tests.support.harness.world_sizes` (``@world_sizes(1, 2, 4)``) or take the ``world_size``
   fixture below, which runs the test with 1, 2 and 4 ranks.
+- ``msc_store`` (session): a moto S3 server on 127.0.0.1 and MSC profiles for ``msc://`` tests
+  (:mod:`tests.support.msc_server`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.harness import cuda_device_count
+from tests.support.msc_server import msc_store  # noqa: F401 - the session's S3 server fixture
 
 DEFAULT_WORLD_SIZES = (1, 2, 4)
 

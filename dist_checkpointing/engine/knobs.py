@@ -24,6 +24,13 @@ VERIFY_CHECKSUMS               1          verify the checksums of what a load re
 SAVE_LOCK_STALE_S              3600.0     age after which another host's save lock counts as stale
 WRITE_CHECKSUMS                1          checksum data items as they are written (0: off)
 ASYNC_WORKER_START_TIMEOUT_S   120.0      wait for the persistent worker to be ready
+MSC_READ_THREADS               4          msc:// files read at once; GETs of one large read
+MSC_READ_WINDOW_BYTES          67108864   msc:// items up to this are fetched whole, together
+MSC_READ_CHUNK_BYTES           33554432   size of each ranged GET of a large msc:// read
+MSC_PREFETCH_WHOLE_FILES       0          1: download whole msc:// data files, read locally
+MSC_WRITE_SPOOL_BYTES          67108864   msc:// upload buffer kept in memory (then on disk)
+MSC_ATTEMPTS                   3          tries of an msc:// request that failed to connect
+MSC_RETRY_DELAY_S              0.5        wait before the first retry (doubles each time)
 ============================== ========== ===================================================
 """
 
@@ -118,6 +125,24 @@ ASYNC_WORKER_START_TIMEOUT_S = Knob(
     "seconds a new persistent worker may take to be ready (interpreter and torch import)",
 )
 
+MSC_READ_THREADS = Knob(
+    "MSC_READ_THREADS", 4, 1, "msc:// files read at once, and ranged GETs of one large read"
+)
+MSC_READ_WINDOW_BYTES = Knob(
+    "MSC_READ_WINDOW_BYTES", 64 << 20, 1, "msc:// items up to this size are fetched whole"
+)
+MSC_READ_CHUNK_BYTES = Knob(
+    "MSC_READ_CHUNK_BYTES", 32 << 20, 1, "size of each ranged GET of a large msc:// read"
+)
+MSC_PREFETCH_WHOLE_FILES = Knob(
+    "MSC_PREFETCH_WHOLE_FILES", 0, 0, "1: download whole msc:// data files before reading"
+)
+MSC_WRITE_SPOOL_BYTES = Knob(
+    "MSC_WRITE_SPOOL_BYTES", 64 << 20, 0, "msc:// upload buffer kept in memory"
+)
+MSC_ATTEMPTS = Knob("MSC_ATTEMPTS", 3, 1, "tries of an msc:// request that failed to connect")
+MSC_RETRY_DELAY_S = Knob("MSC_RETRY_DELAY_S", 0.5, 0.0, "seconds before the first msc:// retry")
+
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
     WRITE_BUFFER_BYTES,
@@ -134,6 +159,13 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_LOCK_STALE_S,
     WRITE_CHECKSUMS,
     ASYNC_WORKER_START_TIMEOUT_S,
+    MSC_READ_THREADS,
+    MSC_READ_WINDOW_BYTES,
+    MSC_READ_CHUNK_BYTES,
+    MSC_PREFETCH_WHOLE_FILES,
+    MSC_WRITE_SPOOL_BYTES,
+    MSC_ATTEMPTS,
+    MSC_RETRY_DELAY_S,
 )
 
 __all__ = [
@@ -155,4 +187,11 @@ __all__ = [
     "SAVE_LOCK_STALE_S",
     "WRITE_CHECKSUMS",
     "ASYNC_WORKER_START_TIMEOUT_S",
+    "MSC_READ_THREADS",
+    "MSC_READ_WINDOW_BYTES",
+    "MSC_READ_CHUNK_BYTES",
+    "MSC_PREFETCH_WHOLE_FILES",
+    "MSC_WRITE_SPOOL_BYTES",
+    "MSC_ATTEMPTS",
+    "MSC_RETRY_DELAY_S",
 ]

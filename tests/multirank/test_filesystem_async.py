@@ -355,8 +355,8 @@ def test_unsupported_options() -> None:
     writer = FileSystemWriterAsync("/tmp/x")
     with pytest.raises(UnsupportedFeatureError, match="without collectives"):
         writer.set_up_storage_writer(True, rank=0, use_collectives=False)
-    with pytest.raises(UnsupportedFeatureError, match="msc://"):
-        FileSystemWriterAsync("msc://bucket/ckpt")
+    with pytest.raises(UnsupportedFeatureError, match="msc://"):  # the scheme that works
+        FileSystemWriterAsync("s3://bucket/ckpt")
 
 
 # --------------------------------------------------------------------------- async path

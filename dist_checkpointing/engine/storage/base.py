@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import Any, BinaryIO, Protocol
 
+from .. import knobs
+
 
 class ReadStream(Protocol):
     """A file opened by :meth:`FileSystemIO.open_read` (a context manager)."""
@@ -37,6 +39,25 @@ class ReadStream(Protocol):
 class FileSystemIO(ABC):
     """The file operations the checkpoint storage layer needs."""
 
+    #: True where directories are key prefixes that exist while they hold files
+    #: (object stores): a save may then target a location that does not exist yet.
+    implicit_directories: bool = False
+
+    def parallel_reads(self) -> int:
+        """How many data files a rank reads at once at least (object stores: several,
+        to hide the latency of each request)."""
+        return 1
+
+    def read_limits(self) -> tuple[int, int, int]:
+        """``(small_item, max_gap, window)`` bytes for coalescing reads: items of at most
+        ``small_item`` bytes, at most ``max_gap`` apart, are fetched together in reads of
+        at most ``window`` bytes (see :mod:`..knobs`, ``READ_*``)."""
+        return (
+            knobs.READ_SMALL_ITEM_BYTES.get(),
+            knobs.READ_MAX_GAP_BYTES.get(),
+            knobs.READ_WINDOW_BYTES.get(),
+        )
+
     @abstractmethod
     def join(self, directory: str, name: str) -> str:
         """The path of ``name`` inside ``directory``."""
@@ -48,6 +69,12 @@ class FileSystemIO(ABC):
     @abstractmethod
     def open_read(self, path: str) -> ReadStream:
         """Open ``path`` for reading with ``seek``/``readinto``; the caller closes it."""
+
+    def read_whole(self, path: str) -> bytes:
+        """The whole content of file ``path`` (object stores: one GET)."""
+        with self.open_read(path) as stream:
+            data: bytes = stream.read()
+        return data
 
     @abstractmethod
     def fsync(self, stream: BinaryIO) -> None:

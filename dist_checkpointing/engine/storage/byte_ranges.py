@@ -17,7 +17,6 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import ChecksumMismatchError, CorruptCheckpointError
-from .. import knobs
 from .base import ReadStream
 from .checksums import BlockVerifier, ChecksumMismatch
 
@@ -27,10 +26,13 @@ from .checksums import BlockVerifier, ChecksumMismatch
 class DataFile:
     """One open data file; serves small items from a window of bytes read at once."""
 
-    def __init__(self, stream: ReadStream, path: str, size: int) -> None:
+    def __init__(
+        self, stream: ReadStream, path: str, size: int, limits: tuple[int, int, int]
+    ) -> None:
         self.stream = stream
         self.path = path
         self.size = size
+        self.limits = limits  # FileSystemIO.read_limits(): (small item, max gap, window)
         self.window_start = 0
         self.window = memoryview(b"")
         self.window_address = 0  # address of the window's first byte
@@ -49,10 +51,9 @@ class DataFile:
         Returns ``i + 1`` without reading when items[i] is large (it is read in place).
         """
         # Small items are fetched together with their neighbours, in reads of up to
-        # READ_WINDOW_BYTES, skipping gaps of at most READ_MAX_GAP_BYTES (see knobs).
-        small = knobs.READ_SMALL_ITEM_BYTES.get()
-        max_gap = knobs.READ_MAX_GAP_BYTES.get()
-        window = knobs.READ_WINDOW_BYTES.get()
+        # READ_WINDOW_BYTES, skipping gaps of at most READ_MAX_GAP_BYTES (see knobs;
+        # object stores, where each request costs, use larger limits).
+        small, max_gap, window = self.limits
         start = items[i][1].offset
         end = start + items[i][1].length
         if items[i][1].length > small:

@@ -29,6 +29,8 @@ T = TypeVar("T")
 
 Location = str | os.PathLike[str]
 
+_IS_DIR_KEY = "\0is_dir"  # a memo key no file name can take
+
 
 @dataclass
 class DirContext:
@@ -104,11 +106,23 @@ class CheckpointDir:
         return safe_name(name, source=source)
 
     def is_dir(self) -> bool:
-        """Whether the root exists as a directory."""
-        return self.fs.is_dir(self.root)
+        """Whether the root exists as a directory (once found, remembered for the
+        handle's life: on object stores each check is a listing request)."""
+        if self._memo.get(_IS_DIR_KEY):
+            return True
+        found = self.fs.is_dir(self.root)
+        if found:
+            self._memo[_IS_DIR_KEY] = True
+        return found
 
-    def require_dir(self, what: str = "Checkpoint directory") -> None:
-        """Raise :class:`CheckpointNotFoundError` unless the root is a directory."""
+    def require_dir(self, what: str = "Checkpoint directory", *, for_writing: bool = False) -> None:
+        """Raise :class:`CheckpointNotFoundError` unless the root is a directory.
+
+        With ``for_writing`` a backend whose directories are key prefixes (object
+        stores) accepts any root: its "directory" appears with the first file.
+        """
+        if for_writing and self.fs.implicit_directories:
+            return
         if not self.is_dir():
             raise CheckpointNotFoundError(f"{what} does not exist: {self.root}")
 
@@ -162,8 +176,7 @@ class CheckpointDir:
     def read_bytes(self, name: str) -> bytes:
         """The whole content of file ``name`` (checked against the commit record when
         a load set one up)."""
-        with self.open_read(name) as stream:
-            data: bytes = stream.read()
+        data = self.fs.read_whole(self.path(name))
         if self.context.on_read is not None:
             self.context.on_read(name, data)
         return data

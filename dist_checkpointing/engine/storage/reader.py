@@ -41,6 +41,7 @@ from .checksums import BlockVerifier
 from .item_reader import TensorRecord, parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
+from .resolve import is_url
 
 logger = logging.getLogger(__name__)
 
@@ -161,9 +162,10 @@ class FileSystemReader(StorageReader):
                 self._names[info.relative_path] = name
             per_file.setdefault(name, []).append((read_item, info))
         lock: AbstractContextManager[Any] = nullcontext()
-        if self.thread_count > 1 and len(per_file) > 1:
+        threads = max(self.thread_count, self.fs.parallel_reads())
+        if threads > 1 and len(per_file) > 1:
             lock = threading.Lock()
-            with ThreadPoolExecutor(min(self.thread_count, len(per_file))) as pool:
+            with ThreadPoolExecutor(min(threads, len(per_file))) as pool:
                 jobs = [
                     pool.submit(self._read_file, rel, items, planner, lock)
                     for rel, items in per_file.items()
@@ -186,7 +188,7 @@ class FileSystemReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a local directory path."""
         text = os.fspath(checkpoint_id)
-        return "://" not in text and os.path.isdir(text)
+        return not is_url(text) and os.path.isdir(text)
 
     # ----------------------------------------------------------------- per file
 
@@ -202,7 +204,7 @@ class FileSystemReader(StorageReader):
         keys = sorted({str(ri.storage_index.fqn) for ri, _ in items})
         stream, size = self.location.open_data_file(relative_path, keys)
         with stream:
-            file = DataFile(stream, path, size)
+            file = DataFile(stream, path, size, self.fs.read_limits())
             for read_item, info in items:
                 file.check_range(info.offset, info.length, read_item)
             i = 0
@@ -288,7 +290,7 @@ def read_object_bytes(
     )
     stream, size = reader.location.open_data_file(name, [key])
     with stream:
-        file = DataFile(stream, path, size)
+        file = DataFile(stream, path, size, reader.fs.read_limits())
         file.check_range(info.offset, info.length, read_item)
         item = ItemBytes(file, info.offset, info.length, read_item)
         item.verifier = reader._verifier(name, info.offset, info.length)
