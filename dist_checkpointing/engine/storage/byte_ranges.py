@@ -112,10 +112,11 @@ class ItemBytes:
         """Check every checksum block of the item that was read (see :mod:`.checksums`)."""
         if self.verifier is None:
             return
-        if self.view is not None:  # the whole item is in memory: check it all
-            self.verifier.pieces = [(0, self.view)]
         try:
-            self.verifier.finish(self._read_unverified)
+            if self.view is not None:  # the whole item is in memory: check it all
+                self.verifier.check_whole(self.view)
+            else:
+                self.verifier.finish(self._read_unverified)
         except ChecksumMismatch as exc:
             key = str(self.read_item.storage_index.fqn)
             raise ChecksumMismatchError(

@@ -79,74 +79,65 @@ class DataFileEntry:
         return index.get(offset)
 
 
-class _BlockHasher:
-    """CRC32C of consecutive blocks of a byte stream fed piece by piece."""
-
-    def __init__(self, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
-        self.blocks: list[int] = []
-        self.current = 0
-        self.filled = 0
-        self.total = 0
-
-    def feed(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        pos = 0
-        n = len(view)
-        self.total += n
-        while pos < n:
-            take = min(self.block_bytes - self.filled, n - pos)
-            self.current = crc(view[pos : pos + take], self.current)
-            self.filled += take
-            pos += take
-            if self.filled == self.block_bytes:
-                self.blocks.append(self.current)
-                self.current = 0
-                self.filled = 0
-
-    def finish(self) -> list[int]:
-        if self.filled or not self.blocks:
-            self.blocks.append(self.current)
-        return self.blocks
-
-
 class ChecksumStream:
     """A write stream that checksums every item written through it.
 
     Call :meth:`begin_item` before an item's bytes and :meth:`end_item` after them;
     everything else (``tell``, ``flush``, ``fileno``...) goes to the wrapped stream.
+    The state of the current block is kept inline: most writes (zip headers, small
+    tensors) fall within one block and cost one CRC32C call.
     """
 
     def __init__(self, stream: BinaryIO, block_bytes: int) -> None:
         self._stream = stream
         self._block_bytes = block_bytes  # <= 0: pass bytes through, record nothing
-        self._hasher: _BlockHasher | None = None
+        self._active = False
+        self._blocks: list[int] = []
+        self._crc = 0
+        self._filled = 0
         self._position = 0
         self._item_start = 0
-        self.items: list[ItemChecksum] = []
 
     def begin_item(self) -> None:
-        if self._block_bytes > 0:
-            self._hasher = _BlockHasher(self._block_bytes)
+        self._active = self._block_bytes > 0
+        self._blocks = []
+        self._crc = 0
+        self._filled = 0
         self._item_start = self._position
 
     def end_item(self) -> ItemChecksum | None:
-        if self._hasher is None:
+        if not self._active:
             return None
-        item = ItemChecksum(
-            self._item_start, self._position - self._item_start, self._hasher.finish()
-        )
-        self.items.append(item)
-        self._hasher = None
-        return item
+        if self._filled or not self._blocks:
+            self._blocks.append(self._crc)
+        self._active = False
+        return ItemChecksum(self._item_start, self._position - self._item_start, self._blocks)
 
     def write(self, data: Any) -> int:
         n = self._stream.write(data)
-        written = len(memoryview(data).cast("B")) if n is None else n
-        if self._hasher is not None:
-            self._hasher.feed(memoryview(data).cast("B")[:written])
-        self._position += written
-        return written
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if n is not None and n != size:  # buffered writers write all or raise
+            raise OSError(f"short write: {n} of {size} bytes")
+        if self._active:
+            if self._filled + size < self._block_bytes:
+                self._crc = _crc32c.crc32c(data, self._crc)
+                self._filled += size
+            else:
+                self._feed_blocks(memoryview(data).cast("B"))
+        self._position += size
+        return size
+
+    def _feed_blocks(self, view: memoryview) -> None:
+        pos, n = 0, len(view)
+        while pos < n:
+            take = min(self._block_bytes - self._filled, n - pos)
+            self._crc = _crc32c.crc32c(view[pos : pos + take], self._crc)
+            self._filled += take
+            pos += take
+            if self._filled == self._block_bytes:
+                self._blocks.append(self._crc)
+                self._crc = 0
+                self._filled = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -187,6 +178,20 @@ class BlockVerifier:
             last = (offset + len(view) - 1) // self.block_bytes
             touched.update(range(first, last + 1))
         return sorted(touched)
+
+    def check_whole(self, data: Any) -> None:
+        """Verify an item held wholly in memory (the fast path: no pieces to sort)."""
+        bb = self.block_bytes
+        blocks = self.checksum.blocks
+        if len(data) <= bb:
+            found = crc(data)
+            if len(blocks) != 1 or found != blocks[0]:
+                raise ChecksumMismatch(0, blocks[0] if blocks else -1, found)
+            return
+        for b, start in enumerate(range(0, len(data), bb)):
+            found = crc(data[start : start + bb])
+            if b >= len(blocks) or found != blocks[b]:
+                raise ChecksumMismatch(start, blocks[b] if b < len(blocks) else -1, found)
 
     def finish(self, fetch: Callable[[int, int], memoryview]) -> int:
         """Verify the touched blocks; returns how many were checked."""
