@@ -80,6 +80,7 @@ def _rank_roundtrip(url: str) -> dict[str, Any]:
         "sharded": sorted(dcp.load_sharded_metadata(url)),
         "plain": same_bits(dcp.load_plain_tensors(url)["a"], _ref("a")),
         "common_sd": dcp.load_common_state_dict(url)["common"],
+        "verify": dcp.verify(url),  # split over both ranks
     }
 
 
@@ -93,8 +94,11 @@ def test_roundtrip_byte_exact(msc_store: MscStore, profile: str) -> None:
         assert res["content"] == {"it": 3}
         assert res["tensors"] == ["a"]
         assert res["sharded"] == ["a", "obj/shard_0_2", "obj/shard_1_2"]
+        assert res["verify"].ok and res["verify"].checksums == "verified"
     names = set(CheckpointDir.of(url).listdir())
     assert {".metadata", "metadata.json", "common.pt", "__0_0.distcp", "__1_0.distcp"} <= names
+    assert "commit.json" in names and not any(n.endswith(".pending") for n in names)
+    assert results[0]["verify"] == results[1]["verify"]
 
 
 def test_load_verify_integrity(msc_store: MscStore, profile: str) -> None:
