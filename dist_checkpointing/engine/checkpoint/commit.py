@@ -42,14 +42,13 @@ from dataclasses import dataclass, field
 
 from ...errors import (
     CheckpointWriteError,
-    ChecksumMismatchError,
     ConcurrentSaveError,
     ForeignFileError,
     IncompleteCheckpointError,
 )
 from .. import knobs
 from ..collectives import RankGroup, describe_error
-from ..storage.checksums import DataFileEntry, FileEntry, ItemChecksum, block_crcs, block_size
+from ..storage.checksums import DataFileEntry, FileEntry, ItemChecksum, block_size
 from ..storage.location import CheckpointDir
 from . import lock
 from .record import COMMIT_RECORD, CommitRecord
@@ -93,7 +92,7 @@ def _attach(ckpt: CheckpointDir, session: SaveSession) -> None:
     ctx.attachments["save_id"] = session.save_id
 
     def on_write(name: str, data: bytes) -> None:
-        session.files[name] = FileEntry(len(data), block_crcs(data, session.block_bytes))
+        session.files[name] = FileEntry.of(data, session.block_bytes)
 
     ctx.on_write = on_write
     ctx.on_data_files = session.data_files.update
@@ -198,21 +197,27 @@ def _write_record_and_install(ckpt: CheckpointDir, session: SaveSession, world: 
         install=staged,
         data_checksums=bool(ckpt.context.block_bytes),
     )
-    ckpt.fs.atomic_write(ckpt.fs.join(ckpt.root, COMMIT_RECORD), record.to_bytes())
+    _write_record(ckpt, record)
     # --- committed: everything below may be redone by the next save or load.
     _install(ckpt, record)
-    record.install = {}
-    ckpt.fs.atomic_write(ckpt.fs.join(ckpt.root, COMMIT_RECORD), record.to_bytes())
     for key in (COMMIT_RECORD, *record.files):
         ckpt.forget(key)
     cleanup(ckpt, record, session.owns_file)
 
 
+def _write_record(ckpt: CheckpointDir, record: CommitRecord) -> None:
+    ckpt.fs.atomic_write(ckpt.fs.join(ckpt.root, COMMIT_RECORD), record.to_bytes())
+
+
 def _install(ckpt: CheckpointDir, record: CommitRecord) -> None:
+    """Rename the record's staged files to their final names, then rewrite it without
+    its install list (idempotent: an install cut short is redone)."""
     for final, staged in record.install.items():
         src = ckpt.fs.join(ckpt.root, staged)
         if ckpt.fs.exists(src):
             ckpt.fs.rename(src, ckpt.fs.join(ckpt.root, final))
+    record.install = {}
+    _write_record(ckpt, record)
 
 
 def read_record(ckpt: CheckpointDir) -> CommitRecord | None:
@@ -225,16 +230,16 @@ def read_record(ckpt: CheckpointDir) -> CommitRecord | None:
     return CommitRecord.from_bytes(data, path)
 
 
-def recover(ckpt: CheckpointDir, owns_file: Callable[[str], bool]) -> None:
+def recover(ckpt: CheckpointDir, owns_file: Callable[[str], bool]) -> CommitRecord | None:
     """(C, under the lock) Finish an interrupted commit, then delete leftovers:
-    staged files and data files that the committed checkpoint does not name."""
+    staged files and data files that the committed checkpoint does not name.
+    Returns the committed record (None: the checkpoint has none)."""
     record = read_record(ckpt)
     if record is not None and record.install:
         logger.warning("%s: finishing the interrupted commit of save %s", ckpt, record.save_id)
         _install(ckpt, record)
-        record.install = {}
-        ckpt.fs.atomic_write(ckpt.fs.join(ckpt.root, COMMIT_RECORD), record.to_bytes())
     cleanup(ckpt, record, owns_file)
+    return record
 
 
 def cleanup(
@@ -250,8 +255,7 @@ def cleanup(
             leftover = True  # tagged data files of a save that never committed
         if leftover:
             logger.info("%s: removing %s (not part of the committed checkpoint)", ckpt, name)
-            with contextlib.suppress(FileNotFoundError):
-                ckpt.fs.remove(ckpt.fs.join(ckpt.root, name))
+            _remove_quietly(ckpt, name)
 
 
 def is_protocol_file(name: str) -> bool:
@@ -289,20 +293,17 @@ def replace_files(ckpt: CheckpointDir, new_files: dict[str, bytes], delete: Iter
     session = SaveSession(secrets.token_hex(16), record.block_bytes)
     lock.acquire(ckpt, session.save_id, session)
     try:
-        recover(ckpt, lambda name: False)
-        record = read_record(ckpt)
+        record = recover(ckpt, lambda name: False)
         assert record is not None
         for name, data in new_files.items():
             ckpt.fs.atomic_write(ckpt.fs.join(ckpt.root, session.staged_name(name)), data)
-            record.files[name] = FileEntry(len(data), block_crcs(data, record.block_bytes))
+            record.files[name] = FileEntry.of(data, record.block_bytes)
             record.install[name] = session.staged_name(name)
         for name in doomed:
             record.data_files.pop(name, None)
-        ckpt.fs.atomic_write(ckpt.fs.join(ckpt.root, COMMIT_RECORD), record.to_bytes())
+        _write_record(ckpt, record)
         # --- committed
         _install(ckpt, record)
-        record.install = {}
-        ckpt.fs.atomic_write(ckpt.fs.join(ckpt.root, COMMIT_RECORD), record.to_bytes())
         for name in doomed:
             _remove_quietly(ckpt, name)
     finally:
@@ -360,7 +361,7 @@ def _file_verifier(ckpt: CheckpointDir, record: CommitRecord) -> Callable[[str, 
         entry = record.files.get(name)
         if entry is None:
             return
-        if len(data) != entry.size or block_crcs(data, record.block_bytes) != entry.blocks:
+        if FileEntry.of(data, record.block_bytes) != entry:
             raise ForeignFileError(
                 f"{ckpt.path(name)} does not match the commit record of save "
                 f"{record.save_id} ({len(data)} bytes, recorded {entry.size}; checksums "
@@ -380,7 +381,6 @@ def _item_lookup(record: CommitRecord) -> Callable[[str, int], ItemChecksum | No
 
 __all__ = [
     "COMMIT_MARKER",
-    "ChecksumMismatchError",
     "SaveSession",
     "abort",
     "begin",

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..collectives import ProcessGroup, RankGroup
-from ..storage.checksums import DataFileEntry, FileEntry, ItemChecksum, block_crcs
+from ..storage.base import ReadStream
+from ..storage.checksums import DataFileEntry, FileEntry, ItemChecksum, crc
 from ..storage.location import CheckpointDir
 from .commit import COMMIT_MARKER, open_for_read
 from .record import CommitRecord
@@ -54,23 +55,22 @@ def _share(sizes: dict[str, int], world: int, rank: int) -> list[str]:
 
 
 def _check_whole(ckpt: CheckpointDir, name: str, entry: FileEntry, block: int) -> list[str]:
+    """A whole file (its size was checked already) against its entry."""
     with ckpt.open_read(name) as stream:
         data = stream.read()
-    if len(data) != entry.size:
-        return [f"{ckpt.path(name)}: {len(data)} bytes, recorded {entry.size}"]
-    if block_crcs(data, block) != entry.blocks:
+    if FileEntry.of(data, block) != entry:
         return [f"{ckpt.path(name)}: checksum mismatch (modified, or from another save)"]
     return []
 
 
-def _check_item(stream: object, path: str, item: ItemChecksum, block: int) -> str | None:
+def _check_item(stream: ReadStream, path: str, item: ItemChecksum, block: int) -> str | None:
     pos = item.offset
     for b, expected in enumerate(item.blocks):
         n = min(block, item.offset + item.length - pos)
-        data = stream.read(n) if n > 0 else b""  # type: ignore[attr-defined]
+        data = stream.read(n) if n > 0 else b""
         if len(data) != max(n, 0):
             return f"{path}: short read at byte {pos}"
-        if block_crcs(data, block)[0] != expected:
+        if crc(data) != expected:
             return (
                 f"{path}: checksum mismatch at byte {pos} (item at offset {item.offset}, block {b})"
             )

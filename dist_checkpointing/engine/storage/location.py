@@ -48,7 +48,9 @@ class DirContext:
     - ``on_data_files(entries)``: the coordinator hands over the data files' item
       checksums gathered from every rank;
     - ``item_checksum(relative_path, offset)``: the recorded checksums of an item
-      (None: not recorded), with ``block_bytes`` their block size;
+      (None: not recorded);
+    - ``block_bytes``: at load, the block size of those checksums; during a save,
+      the block size of the item checksums to write (0: write none);
     - ``save_tag``: part of the data file names of this save.
     """
 
