@@ -30,6 +30,7 @@ from dist_checkpointing.errors import (
     ConcurrentSaveError,
     IncompleteCheckpointError,
     RankFailureError,
+    UnsafeCheckpointError,
 )
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from tests.support.harness import DistributedTestError, run_distributed
@@ -470,3 +471,29 @@ def test_saves_without_checksums_commit_every_file(
         plain = dcp.load_plain_tensors(tmp_path)
         assert all(torch.equal(plain[k], _full(k, 1)) for k in ("w", "v"))
         assert dcp.verify(tmp_path).ok
+
+
+@pytest.mark.parametrize("where", ["install_from", "install_to", "files", "data_files"])
+def test_commit_record_names_stay_inside_the_directory(tmp_path: Path, where: str) -> None:
+    """A crafted commit.json cannot make a load or the next save rename, read or delete
+    a file outside the checkpoint directory."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    sd = {k: ShardedTensor.from_rank_offsets(k, _full(k, 1)) for k in ("w", "v")}
+    dcp.save(sd, ckpt)
+    record = json.loads((ckpt / "commit.json").read_text())
+    if where == "install_from":
+        record["install"] = {".metadata": "../victim"}
+    elif where == "install_to":
+        record["install"] = {"../victim": ".metadata"}
+    elif where == "files":
+        record["files"]["../victim"] = {"size": 8, "blocks": [0]}
+    else:
+        record["data_files"]["../victim"] = {"size": 8, "items": []}
+    (ckpt / "commit.json").write_text(json.dumps(record))
+    for attempt in (lambda: dcp.load_plain_tensors(ckpt), lambda: dcp.save(sd, ckpt)):
+        with pytest.raises(UnsafeCheckpointError, match="commit.json"):
+            attempt()
+    assert victim.read_bytes() == b"precious"

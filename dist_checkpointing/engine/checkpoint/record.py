@@ -27,8 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import CorruptCheckpointError
+from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..storage.checksums import ALGORITHM, DataFileEntry, FileEntry, ItemChecksum
+from ..storage.names import safe_name
 
 COMMIT_RECORD = "commit.json"
 FORMAT = "dist_checkpointing.commit"
@@ -85,7 +86,9 @@ class CommitRecord:
             raise CorruptCheckpointError(f"{source}: commit record of {len(data)} bytes refused")
         try:
             raw = json.loads(data)
-            return _parse(raw)
+            return _parse(raw, source)
+        except UnsafeCheckpointError:
+            raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(f"{source}: malformed commit record ({exc})") from None
 
@@ -117,7 +120,7 @@ def _items(raw: Any, name: str) -> list[ItemChecksum]:
     return items
 
 
-def _parse(raw: Any) -> CommitRecord:
+def _parse(raw: Any, source: str) -> CommitRecord:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ValueError("not a dist_checkpointing commit record")
     if raw.get("version") != VERSION or type(raw.get("version")) is not int:
@@ -135,12 +138,18 @@ def _parse(raw: Any) -> CommitRecord:
         created_unix=float(raw.get("created_unix", 0.0)),
         data_checksums=checksum.get("data_items", True) is True,
     )
+
+    # Every name is one plain file of this directory: the record's names are read,
+    # renamed and deleted like any other name from a checkpoint.
+    def name_of(name: object) -> str:
+        return safe_name(name, source=source)
+
     for name, entry in dict(raw["files"]).items():
-        record.files[str(name)] = FileEntry(
+        record.files[name_of(name)] = FileEntry(
             _int(entry["size"], f"{name} size"), _crcs(entry["blocks"], f"{name} blocks")
         )
     for name, entry in dict(raw["data_files"]).items():
-        record.data_files[str(name)] = DataFileEntry(
+        record.data_files[name_of(name)] = DataFileEntry(
             _int(entry["size"], f"{name} size"), _items(entry["items"], str(name))
         )
     install = raw.get("install", {})
@@ -148,7 +157,7 @@ def _parse(raw: Any) -> CommitRecord:
         isinstance(k, str) and isinstance(v, str) for k, v in install.items()
     ):
         raise ValueError("install must map names to names")
-    record.install = dict(install)
+    record.install = {name_of(k): name_of(v) for k, v in install.items()}
     return record
 
 
