@@ -299,7 +299,7 @@ def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: s
     strategy, _ = verify_checkpoint_and_load_strategy(ckpt)
     strategy.remove_sharded_tensors(ckpt, key_prefix)
     # The manifest covers .metadata, which was rewritten, and the deleted data files.
-    integrity.refresh_manifest(ckpt, _metadata_files(ckpt))
+    integrity.refresh_manifest(ckpt, _metadata_files(ckpt, strategy))
 
 
 def _check_request(
@@ -345,9 +345,9 @@ def _verify_files_read(
     integrity.verify_files(ckpt, sharded.files_holding(ckpt, _keys_of(request)))
 
 
-def _metadata_files(ckpt: CheckpointDir) -> list[str]:
+def _metadata_files(ckpt: CheckpointDir, sharded: LoadShardedStrategy) -> list[str]:
     """The format metadata files the checkpoint has (covered by its manifest)."""
-    return [name for name in (".metadata",) if ckpt.has(name)]
+    return [name for name in sharded.metadata_files if ckpt.has(name)]
 
 
 @_gc_paused_call
@@ -408,7 +408,7 @@ def load(
         sharded, common = allow_types(sharded, allowed_types), allow_types(common, allowed_types)
         strategies = (bind_process_group(sharded, process_group), common)
         if verify_integrity:  # what is unpickled first is checked before it is
-            integrity.verify_files(ckpt, _metadata_files(ckpt) + list(common.files(ckpt)))
+            integrity.verify_files(ckpt, _metadata_files(ckpt, sharded) + common.files(ckpt))
         with account.phase("common"):
             common_state_dict = common.load_common(ckpt)
         request, nonpersistent, factories = load_preprocess(sharded_state_dict)

@@ -10,23 +10,28 @@ adds a provider (:func:`add_default_provider`) that registers its defaults with
 ``if_absent=True``; ``strategies/__init__.py`` does this for the built-ins.
 
 Call sequence of ``save`` (every rank, unless noted):
-    1. ``SaveShardedStrategy.commit_files`` are removed (the coordinator), after
-       the save was validated and before anything is written;
+    1. the commit protocol begins (:mod:`..engine.checkpoint.commit`): whole files
+       written through the ``CheckpointDir`` handle are staged from now on, and
+       ``owns_file(name)`` of both strategies says which files of the directory a
+       save may replace or delete;
     2. ``SaveCommonStrategy.save_common(common_state_dict, dir)`` (the group's
        first rank writes);
     3. ``SaveShardedStrategy.save(sharded_state_dict, dir)`` (or ``async_save``
        for an :class:`AsyncSaveShardedStrategy`, which returns an ``AsyncRequest``
        whose finalize functions run on every rank);
-    4. with ``verify_integrity``: ``files_written_by(dir, rank)`` (every rank) and
-       ``SaveCommonStrategy.files(dir)`` name the files to digest;
-    5. ``metadata.json`` is written last (the coordinator), after every rank succeeded.
+    4. with ``verify_integrity``: ``files_written_by(dir, rank)`` (every rank),
+       ``SaveCommonStrategy.files(dir)`` and (the coordinator) ``commit_files``
+       name the files to digest;
+    5. the commit (the coordinator, after every rank succeeded): ``metadata.json``
+       and ``commit.json`` are written, the staged files installed.
 
 Call sequence of ``load`` (every rank):
     1. the strategies are looked up from ``metadata.json``;
     2. ``check_backend_compatibility`` / ``check_version_compatibility``;
     3. ``LoadCommonStrategy.load_common(dir)``;
-    4. with ``verify_integrity``: ``files_holding(dir, keys)`` and
-       ``LoadCommonStrategy.files(dir)`` name the files to check;
+    4. with ``verify_integrity``: ``LoadShardedStrategy.metadata_files`` and
+       ``LoadCommonStrategy.files(dir)`` are checked before anything is unpickled,
+       ``files_holding(dir, keys)`` names the data files to check;
     5. ``LoadShardedStrategy.load(sharded_state_dict, dir)``.
 """
 
@@ -376,6 +381,9 @@ class LoadShardedStrategy(LoadStrategyBase):
         """Remove the tensors whose key starts with ``key_prefix`` from the checkpoint."""
         raise NotImplementedError(f"{self} cannot remove sharded tensors")
 
+    #: The format's own metadata files (read before the data; covered by integrity).
+    metadata_files: tuple[str, ...] = ()
+
     def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
         """Names of the files that hold the given keys (ShardedTensor keys and
         ShardedObject unique keys); for integrity checks of exactly what is read."""
@@ -405,8 +413,7 @@ class SaveCommonStrategy(SaveStrategyBase):
 class SaveShardedStrategy(SaveStrategyBase):
     """Saves ShardedTensors (and, if it can, ShardedObjects)."""
 
-    #: Files whose presence marks this format's part of a checkpoint complete; a
-    #: save over an old checkpoint removes them before writing anything.
+    #: The format's own metadata files (written by the coordinator at finalize).
     commit_files: tuple[str, ...] = ()
 
     @abstractmethod

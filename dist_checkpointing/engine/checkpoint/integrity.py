@@ -1,7 +1,7 @@
 """File digests for ``verify_integrity`` (Megatron-Core 0.19's save/load parameter).
 
 At save, every rank digests the data files it wrote; the coordinator writes
-``integrity.json`` (before the commit marker). At load, each rank re-digests
+``integrity.json`` (staged, committed with the save). At load, each rank re-digests
 the files it reads and compares.
 
 Our manifest: ``{"version": 1, "algorithm": "sha256", "files": {name: hexdigest}}``.

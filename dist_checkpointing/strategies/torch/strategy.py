@@ -236,6 +236,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         allowed_types: extra classes ShardedObject payloads may contain.
     """
 
+    metadata_files = (METADATA_FNAME,)
+
     def __init__(
         self,
         cache_metadata: bool = False,
