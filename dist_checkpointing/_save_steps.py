@@ -109,7 +109,12 @@ def finalize_save(
             commit.abort(ckpt, group)
             raise
         commit.commit(ckpt, group, config_bytes(config))
-    account.report(lambda: (sum(ckpt.size(n) for n in written()), written()))
+    account.report(lambda: _sizes_and_names(ckpt, written()))
+
+
+def _sizes_and_names(ckpt: CheckpointDir, names: list[str]) -> tuple[int, list[str]]:
+    """Total bytes of ``names`` and the names (one directory listing, not two)."""
+    return sum(ckpt.size(n) for n in names), names
 
 
 def write_sharded(
