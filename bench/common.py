@@ -158,3 +158,14 @@ def fmt_gbps(nbytes: int, seconds: float) -> str:
 
 def fmt_mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:7.0f} MiB"
+
+
+def log_table(nbytes: int, results: dict[str, dict[str, Measurement]], width: int = 6) -> None:
+    """One line per method and operation: seconds, throughput, peak RSS per rank."""
+    log(f"{'method':{width}} {'op':5} {'seconds':>8} {'throughput':>12} {'peak RSS/rank':>14}")
+    for method, ops in results.items():
+        for op, m in ops.items():
+            log(
+                f"{method:{width}} {op:5} {m.seconds:8.3f} {fmt_gbps(nbytes, m.seconds):>12} "
+                f"{fmt_mib(m.peak_rss):>14}"
+            )

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import Measurement, fmt_gbps, fmt_mib, log, measured, rank, raw_blob, world
+from common import Measurement, fmt_mib, log, log_table, measured, rank, raw_blob, world
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -230,13 +230,7 @@ def report(nbytes: int, r: dict[str, dict[str, Measurement]], repeat: int) -> No
         f"\n== object storage: {fmt_mib(nbytes).strip()} in total, {world()} ranks, "
         f"{THREAD_COUNT} files per rank, best of {repeat} =="
     )
-    log(f"{'method':9} {'op':5} {'seconds':>8} {'throughput':>12} {'peak RSS/rank':>14}")
-    for method, ops in r.items():
-        for op, m in ops.items():
-            log(
-                f"{method:9} {op:5} {m.seconds:8.3f} {fmt_gbps(nbytes, m.seconds):>12} "
-                f"{fmt_mib(m.peak_rss):>14}"
-            )
+    log_table(nbytes, r, width=9)
     for method in ("msc", "msc-whole"):
         for op in ("save", "load"):
             msc, raw, disk = r[method][op], r["raw"][op], r["local"][op]

@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import (
     Measurement,
-    fmt_gbps,
     fmt_mib,
     log,
+    log_table,
     measured,
     rank,
     raw_blob,
@@ -170,13 +170,7 @@ def report(
         f"\n== {name}: {fmt_mib(nbytes).strip()} in total, {count} tensors per rank, "
         f"{world()} ranks, {THREAD_COUNT} files per rank, best of {repeat} =="
     )
-    log(f"{'method':6} {'op':5} {'seconds':>8} {'throughput':>12} {'peak RSS/rank':>14}")
-    for method, ops in r.items():
-        for op, m in ops.items():
-            log(
-                f"{method:6} {op:5} {m.seconds:8.3f} {fmt_gbps(nbytes, m.seconds):>12} "
-                f"{fmt_mib(m.peak_rss):>14}"
-            )
+    log_table(nbytes, r)
     for op in ("save", "load"):
         ours, raw, base = r["ours"][op], r["raw"][op], r["dcp"][op]
         log(
