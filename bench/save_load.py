@@ -11,7 +11,9 @@ barrier), the throughput, and the peak RSS of the largest rank (with its child
 processes). Methods: ``raw`` (this rank's bytes in as many files as we write,
 one large write + fsync each, read back into a preallocated buffer), ``dcp``
 (plain DCP with DTensors of the same layout), ``ours`` (dist_checkpointing).
-Loads read from the page cache right after the saves, for every method alike.
+Loads read from the page cache right after the saves, for every method alike; with
+``--cold`` each checkpoint's files are dropped from the page cache first, so loads
+read from the disk.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import (
     Measurement,
+    evict,
     fmt_mib,
     log,
     log_table,
@@ -75,10 +78,15 @@ def dcp_state_dict(local: dict[str, torch.Tensor], mesh: object) -> dict[str, DT
     return {k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for k, t in local.items()}
 
 
-def best_of(repeat: int, phase: Callable[[int], None]) -> Measurement:
-    """The fastest of ``repeat`` runs of ``phase(i)`` (with the peak RSS of that run)."""
+def best_of(
+    repeat: int, phase: Callable[[int], None], before: Callable[[int], None] | None = None
+) -> Measurement:
+    """The fastest of ``repeat`` runs of ``phase(i)`` (with the peak RSS of that run);
+    ``before(i)`` runs first, outside the timed region."""
     runs = []
     for i in range(repeat):
+        if before is not None:
+            before(i)
         with measured() as m:
             phase(i)
         runs.append(m[0])
@@ -92,26 +100,43 @@ def _raw_save(
     return best_of(repeat, lambda i: raw_write(path(i), blob, THREAD_COUNT))
 
 
+def evicting(path: Callable[[int], str], cold: bool) -> Callable[[int], None] | None:
+    """With ``cold``, what drops run i's files from the page cache before its load."""
+    return (lambda i: evict(path(i))) if cold else None
+
+
 def measure_raw(
-    local: dict[str, torch.Tensor], repeat: int, path: Callable[[int], str], nbytes: int
+    local: dict[str, torch.Tensor],
+    repeat: int,
+    path: Callable[[int], str],
+    nbytes: int,
+    cold: bool = False,
 ) -> dict[str, Measurement]:
     save = _raw_save(local, repeat, path)  # the blob is freed before the loads
     into = bytearray(nbytes)  # allocated (and zero-filled) outside the timed region
-    load = best_of(repeat, lambda i: raw_read(path(i), into, THREAD_COUNT))
+    load = best_of(repeat, lambda i: raw_read(path(i), into, THREAD_COUNT), evicting(path, cold))
     return {"save": save, "load": load}
 
 
 def measure_dcp(
-    local: dict[str, torch.Tensor], repeat: int, path: Callable[[int], str], mesh: object
+    local: dict[str, torch.Tensor],
+    repeat: int,
+    path: Callable[[int], str],
+    mesh: object,
+    cold: bool = False,
 ) -> dict[str, Measurement]:
     save = best_of(repeat, lambda i: dcp.save(dcp_state_dict(local, mesh), checkpoint_id=path(i)))
     target = dcp_state_dict({k: torch.empty_like(t) for k, t in local.items()}, mesh)
-    load = best_of(repeat, lambda i: dcp.load(target, checkpoint_id=path(i)))
+    load = best_of(repeat, lambda i: dcp.load(target, checkpoint_id=path(i)), evicting(path, cold))
     return {"save": save, "load": load}
 
 
 def measure_ours(
-    local: dict[str, torch.Tensor], repeat: int, path: Callable[[int], str], checksums: bool = True
+    local: dict[str, torch.Tensor],
+    repeat: int,
+    path: Callable[[int], str],
+    checksums: bool = True,
+    cold: bool = False,
 ) -> dict[str, Measurement]:
     """Our save and load; ``checksums=False`` writes no item checksums and verifies
     nothing (the WRITE_CHECKSUMS knob off, ``verify_checksums=False``)."""
@@ -124,7 +149,11 @@ def measure_ours(
     finally:
         os.environ.pop("DIST_CKPT_WRITE_CHECKSUMS", None)
     request = ours_state_dict({k: torch.empty_like(t) for k, t in local.items()})
-    load = best_of(repeat, lambda i: dc.load(request, path(i), verify_checksums=checksums))
+    load = best_of(
+        repeat,
+        lambda i: dc.load(request, path(i), verify_checksums=checksums),
+        evicting(path, cold),
+    )
     loaded = dc.load(request, path(0))
     mismatched = [k for k, t in local.items() if not torch.equal(loaded[k], t)]
     if mismatched:
@@ -150,12 +179,13 @@ def run_case(name: str, args: argparse.Namespace, root: str, mesh: object) -> No
     dist.barrier()
     results: dict[str, dict[str, Measurement]] = {m: {} for m in METHODS}
 
-    results["raw"] = measure_raw(local, repeat, partial(path, "raw"), nbytes_rank)
-    results["dcp"] = measure_dcp(local, repeat, partial(path, "dcp"), mesh)
-    results["ours"] = measure_ours(local, repeat, partial(path, "ours"))
-    results["nocrc"] = measure_ours(local, repeat, partial(path, "nocrc"), checksums=False)
+    cold = args.cold
+    results["raw"] = measure_raw(local, repeat, partial(path, "raw"), nbytes_rank, cold)
+    results["dcp"] = measure_dcp(local, repeat, partial(path, "dcp"), mesh, cold)
+    results["ours"] = measure_ours(local, repeat, partial(path, "ours"), cold=cold)
+    results["nocrc"] = measure_ours(local, repeat, partial(path, "nocrc"), False, cold)
 
-    report(name, nbytes, len(local), results, repeat)
+    report(name, nbytes, len(local), results, repeat, cold)
     dist.barrier()
     if rank() == 0:
         for method in METHODS:
@@ -164,11 +194,18 @@ def run_case(name: str, args: argparse.Namespace, root: str, mesh: object) -> No
 
 
 def report(
-    name: str, nbytes: int, count: int, r: dict[str, dict[str, Measurement]], repeat: int
+    name: str,
+    nbytes: int,
+    count: int,
+    r: dict[str, dict[str, Measurement]],
+    repeat: int,
+    cold: bool,
 ) -> None:
+    source = "the disk (cold page cache)" if cold else "the page cache"
     log(
         f"\n== {name}: {fmt_mib(nbytes).strip()} in total, {count} tensors per rank, "
-        f"{world()} ranks, {THREAD_COUNT} files per rank, best of {repeat} =="
+        f"{world()} ranks, {THREAD_COUNT} files per rank, best of {repeat}; "
+        f"loads from {source} =="
     )
     log_table(nbytes, r)
     for op in ("save", "load"):
@@ -192,6 +229,12 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--cases", default="big,small")
     parser.add_argument("--repeat", type=int, default=1, help="report the best of N runs")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="load from the disk: drop each checkpoint's files from the page cache "
+        "(posix_fadvise DONTNEED) before its timed load, for every method alike",
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world(),))

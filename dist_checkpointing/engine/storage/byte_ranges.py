@@ -165,12 +165,21 @@ class ItemBytes:
             return
         if self.view is not None:
             ctypes.memmove(t.data_ptr(), self.address + offset, n)
-        else:
+        elif self.verifier is None:
             view = t.reshape(-1).view(torch.uint8).numpy().data
             self.file.readinto(self.offset + offset, view, self.read_item)
-            if self.verifier is not None:
-                # Checked against the bytes as they landed in the tensor, before it is used.
-                self.verifier.add(offset, view)
+        else:
+            # Checked against the bytes as they landed in the tensor, before it is used:
+            # read a checksum block at a time, so each is checksummed while in the cache.
+            view = t.reshape(-1).view(torch.uint8).numpy().data
+            size = self.verifier.block_bytes
+            pos = 0
+            while pos < n:
+                step = min(size - (offset + pos) % size, n - pos)
+                piece = view[pos : pos + step]
+                self.file.readinto(self.offset + offset + pos, piece, self.read_item)
+                self.verifier.add(offset + pos, piece)
+                pos += step
 
     def describe(self) -> str:
         return (

@@ -171,11 +171,22 @@ class BlockVerifier:
     checksum: ItemChecksum
     block_bytes: int
     pieces: list[tuple[int, memoryview]] = field(default_factory=list)
+    # CRCs of the blocks a piece covered whole, computed when it was added (while its
+    # bytes were still in the CPU's cache: a reader adds a large read block by block).
+    covered: dict[int, int] = field(default_factory=dict)
 
     def add(self, offset: int, data: Any) -> None:
         view = memoryview(data).cast("B")
-        if len(view):
-            self.pieces.append((offset, view))
+        if not len(view):
+            return
+        self.pieces.append((offset, view))
+        size, length = self.block_bytes, self.checksum.length
+        b = -(-offset // size)  # the first block starting inside the piece
+        end = offset + len(view)
+        while b * size < end and min((b + 1) * size, length) <= end:
+            start = b * size - offset
+            self.covered[b] = crc(view[start : start + min(size, length - b * size)])
+            b += 1
 
     def touched_blocks(self) -> list[int]:
         touched: set[int] = set()
@@ -204,10 +215,13 @@ class BlockVerifier:
             end = min(start + self.block_bytes, self.checksum.length)
             if b >= len(self.checksum.blocks):
                 raise ChecksumMismatch(start, -1, -1)
-            value = _crc_of_range(pieces, start, end, fetch)
+            value = self.covered.get(b)
+            if value is None:
+                value = _crc_of_range(pieces, start, end, fetch)
             if value != self.checksum.blocks[b]:
                 raise ChecksumMismatch(start, self.checksum.blocks[b], value)
         self.pieces.clear()
+        self.covered.clear()
 
 
 def _crc_of_range(
