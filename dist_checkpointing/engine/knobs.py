@@ -24,6 +24,7 @@ VERIFY_CHECKSUMS               1          verify the checksums of what a load re
 SAVE_LOCK_STALE_S              3600.0     age after which another host's save lock counts as stale
 WRITE_CHECKSUMS                1          checksum data items as they are written (0: off)
 ASYNC_WORKER_START_TIMEOUT_S   120.0      wait for the persistent worker to be ready
+ASYNC_WORKER_FORK              1          fork the persistent worker (0: a fresh interpreter)
 MSC_READ_THREADS               4          msc:// files read at once; GETs of one large read
 MSC_READ_WINDOW_BYTES          67108864   msc:// items up to this are fetched whole, together
 MSC_READ_CHUNK_BYTES           33554432   size of each ranged GET of a large msc:// read
@@ -122,9 +123,15 @@ ASYNC_WORKER_START_TIMEOUT_S = Knob(
     "ASYNC_WORKER_START_TIMEOUT_S",
     120.0,
     0.0,
-    "seconds a new persistent worker may take to be ready (interpreter and torch import)",
+    "seconds a new persistent worker may take to be ready",
 )
-
+ASYNC_WORKER_FORK = Knob(
+    "ASYNC_WORKER_FORK",
+    1,
+    0,
+    "1: fork the persistent worker from the trainer (milliseconds); 0: start a fresh "
+    "interpreter that imports torch (seconds)",
+)
 MSC_READ_THREADS = Knob(
     "MSC_READ_THREADS", 4, 1, "msc:// files read at once, and ranged GETs of one large read"
 )
@@ -159,6 +166,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_LOCK_STALE_S,
     WRITE_CHECKSUMS,
     ASYNC_WORKER_START_TIMEOUT_S,
+    ASYNC_WORKER_FORK,
     MSC_READ_THREADS,
     MSC_READ_WINDOW_BYTES,
     MSC_READ_CHUNK_BYTES,
@@ -187,6 +195,7 @@ __all__ = [
     "SAVE_LOCK_STALE_S",
     "WRITE_CHECKSUMS",
     "ASYNC_WORKER_START_TIMEOUT_S",
+    "ASYNC_WORKER_FORK",
     "MSC_READ_THREADS",
     "MSC_READ_WINDOW_BYTES",
     "MSC_READ_CHUNK_BYTES",

@@ -3,7 +3,7 @@
 Child processes (the temporal async caller's writer and the bucket writer workers)
 are started one way (:func:`child_context`: ``fork`` where available, so nothing is
 re-imported and arguments need not be picklable; else ``spawn``; the persistent
-async worker is a fresh interpreter instead, see :mod:`.async_save.worker`) and report their
+async worker is forked, or a fresh interpreter, see :mod:`.async_save.worker`) and report their
 errors one way (:func:`traceback_text`, :func:`format_current_exception`,
 bounded by :func:`truncate_text`); the parent describes a child that died
 without reporting with :func:`describe_exit`.

@@ -5,6 +5,9 @@ start-up, and a dead worker noticed on every rank.
   async example, ``tests/support/scripts/readme_async_no_main_guard.py``) runs under
   ``torchrun`` on 2 ranks: it finishes, the checkpoint loads byte-exactly, and the
   script was imported exactly once per rank (the worker never ran it).
+- Both ways of starting the worker (forked from the trainer, the default, and a fresh
+  interpreter, ``DIST_CKPT_ASYNC_WORKER_FORK=0``) pass the tests below that do not
+  depend on how it starts.
 - A worker that is not ready within ``DIST_CKPT_ASYNC_WORKER_START_TIMEOUT_S`` fails
   its calls with an error naming the knob; the next request starts a fresh worker.
 - A worker SIGKILLed while a call is in flight fails that call on every rank at the
@@ -33,6 +36,7 @@ import torch.distributed as dist
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.engine.async_save import persistent as persistent_module
+from dist_checkpointing.engine.async_save import worker as worker_module
 from dist_checkpointing.engine.async_save.worker import FrameReader, write_frame
 from dist_checkpointing.errors import CheckpointWriteError
 from dist_checkpointing.strategies.async_utils import (
@@ -79,10 +83,36 @@ def _caller(queue: AsyncCallsQueue) -> PersistentAsyncCaller:
     return queue.persistent_caller
 
 
+START_METHODS = {"fork": "1", "interpreter": "0"}  # DIST_CKPT_ASYNC_WORKER_FORK
+
+
+def _start_worker_as(
+    monkeypatch: pytest.MonkeyPatch, method: str, child_code: str, exit_code: int = 0
+) -> None:
+    """Make the next worker start ``method``'s way but run ``child_code`` (Python) instead
+    of the worker's loop, then exit with ``exit_code``."""
+    monkeypatch.setenv("DIST_CKPT_ASYNC_WORKER_FORK", START_METHODS[method])
+    if method == "interpreter":
+
+        def command(requests_fd: int, results_fd: int) -> list[str]:
+            return [sys.executable, "-c", f"{child_code}; import sys; sys.exit({exit_code})"]
+
+        monkeypatch.setattr(persistent_module, "worker_command", command)
+    else:
+
+        def forked_main(requests_fd: int, results_fd: int, parent_ends: tuple[int, ...]) -> None:
+            exec(child_code)  # test code, in the forked child
+            os._exit(exit_code)
+
+        monkeypatch.setattr(worker_module, "_forked_main", forked_main)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to python")
-def test_readme_async_example_without_main_guard_finishes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", sorted(START_METHODS))
+def test_readme_async_example_without_main_guard_finishes(tmp_path: Path, method: str) -> None:
     env = {**os.environ, "ASYNC_DEMO_DIR": str(tmp_path), "ASYNC_DEMO_STEPS": "4"}
+    env["DIST_CKPT_ASYNC_WORKER_FORK"] = START_METHODS[method]
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(SCRIPT)]
     try:
@@ -99,7 +129,7 @@ def test_readme_async_example_without_main_guard_finishes(tmp_path: Path) -> Non
         lines = (tmp_path / f"imported.{rank}").read_text().splitlines()
         assert len(lines) == 1, lines
         print(
-            f"rank {rank}: schedule blocked {result['first_schedule_s']:.3f}s, worker ready "
+            f"{method}, rank {rank}: schedule blocked {result['first_schedule_s']:.3f}s, worker ready "
             f"after {result['worker_ready_s']:.2f}s, first save done after "
             f"{result['first_done_s']:.2f}s"
         )
@@ -109,6 +139,8 @@ def test_readme_async_example_without_main_guard_finishes(tmp_path: Path) -> Non
 def test_worker_start_timeout_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A fresh interpreter: never ready within a millisecond (a forked one might be).
+    monkeypatch.setenv("DIST_CKPT_ASYNC_WORKER_FORK", "0")
     monkeypatch.setenv("DIST_CKPT_ASYNC_WORKER_START_TIMEOUT_S", "0.001")
     queue = AsyncCallsQueue(persistent=True)
     try:
@@ -206,13 +238,11 @@ def test_killed_worker_fails_the_call_on_every_rank_then_a_fresh_one_saves(
     assert results[1]["second_pid"] == results[1]["first_pid"]  # kept its worker
 
 
+@pytest.mark.parametrize("method", sorted(START_METHODS))
 def test_worker_that_exits_during_start_up_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
-    def broken_command(requests_fd: int, results_fd: int) -> list[str]:
-        return [sys.executable, "-c", "import sys; sys.exit(3)"]
-
-    monkeypatch.setattr(persistent_module, "worker_command", broken_command)
+    _start_worker_as(monkeypatch, method, "pass", exit_code=3)
     queue = AsyncCallsQueue(persistent=True)
     try:
         queue.schedule_async_request(AsyncRequest(_write_text, (str(tmp_path / "a"), "x"), []))
@@ -280,15 +310,12 @@ def test_failure_on_one_rank_settles_while_another_still_writes(tmp_path: Path) 
     assert not results[1]["alive"]  # rank 1's straggling writer was killed
 
 
+@pytest.mark.parametrize("method", sorted(START_METHODS))
 def test_worker_that_never_starts_blocks_neither_scheduling_nor_close(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
     """A request larger than a pipe's buffer, for a worker that never reads it."""
-
-    def hanging_command(requests_fd: int, results_fd: int) -> list[str]:
-        return [sys.executable, "-c", "import time; time.sleep(120)"]
-
-    monkeypatch.setattr(persistent_module, "worker_command", hanging_command)
+    _start_worker_as(monkeypatch, method, "import time; time.sleep(120)")
     monkeypatch.setenv("DIST_CKPT_ASYNC_WORKER_START_TIMEOUT_S", "1.0")
     queue = AsyncCallsQueue(persistent=True)
     try:

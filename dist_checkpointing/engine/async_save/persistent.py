@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from ..process import describe_exit, format_current_exception
 from .agreement import _CallStatus, _global_rank, _State
 from .caller import AsyncCaller
 from .request import AsyncRequest
-from .worker import FrameReader, worker_command, write_frame
+from .worker import ForkedProcess, FrameReader, worker_command, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +68,11 @@ class PersistentAsyncCaller(AsyncCaller):
 
     The worker (:mod:`.worker`) is started on the first request, reused by every
     later one (no process start per checkpoint), restarted on the next request if
-    it died, and stopped by :meth:`close`. It is a fresh interpreter that imports
-    this package, never the script's ``__main__`` (a training script needs no
-    ``if __name__ == "__main__":`` guard). Starting it does not block the caller:
+    it died, and stopped by :meth:`close`. It is forked from the trainer (ready in
+    milliseconds) or, with ``DIST_CKPT_ASYNC_WORKER_FORK=0``, a fresh interpreter
+    that imports this package; either way it never runs the script's ``__main__``
+    again (a training script needs no ``if __name__ == "__main__":`` guard) and
+    never touches CUDA. Starting it does not block the caller:
     requests wait in its pipe until it is ready, and one that is not ready within
     ``DIST_CKPT_ASYNC_WORKER_START_TIMEOUT_S`` fails the calls it holds. Requests
     run in the worker one at a time, in scheduling order; several may be pending.
@@ -261,11 +263,24 @@ _FEEDER_EXIT = object()
 _FEEDER_JOIN_TIMEOUT_S = 1.0
 
 
+class _ProcessHandle(Protocol):
+    """What :class:`_Worker` needs of its process: a ``subprocess.Popen`` or a
+    :class:`~.worker.ForkedProcess`."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class _Worker:
     """The parent's handle on one persistent worker (:mod:`.worker`): its process,
     the pipe that carries requests and the one that carries results back."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], requests_fd: int, results_fd: int) -> None:
+    def __init__(self, proc: _ProcessHandle, requests_fd: int, results_fd: int) -> None:
         self.proc = proc
         self.pid = proc.pid
         self.requests_fd = requests_fd
@@ -287,15 +302,20 @@ class _Worker:
 
     @classmethod
     def start(cls) -> _Worker:
-        """Start a worker (without waiting for it to be ready) and send it its setup."""
+        """Start a worker (without waiting for it to be ready) and send it its setup:
+        forked from this process, or a fresh interpreter (knob ``ASYNC_WORKER_FORK``)."""
         req_read, req_write = os.pipe()
         res_read, res_write = os.pipe()
+        proc: _ProcessHandle
         try:
-            proc = subprocess.Popen(
-                worker_command(req_read, res_write),
-                pass_fds=(req_read, res_write),
-                stdin=subprocess.DEVNULL,
-            )
+            if knobs.ASYNC_WORKER_FORK.get() and hasattr(os, "fork"):
+                proc = ForkedProcess(req_read, res_write, parent_ends=(req_write, res_read))
+            else:
+                proc = subprocess.Popen(
+                    worker_command(req_read, res_write),
+                    pass_fds=(req_read, res_write),
+                    stdin=subprocess.DEVNULL,
+                )
         except BaseException:
             for fd in (req_write, res_read):
                 os.close(fd)

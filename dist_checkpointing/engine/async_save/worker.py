@@ -1,11 +1,19 @@
-"""The persistent writer worker: a fresh interpreter that never runs the user's script.
+"""The persistent writer worker: a process that never runs the user's script again.
 
-:class:`~.persistent.PersistentAsyncCaller` starts it with :mod:`subprocess` as
-``python -c BOOTSTRAP`` (:func:`worker_command`), not with multiprocessing's
-``spawn``: ``spawn`` re-imports the parent's ``__main__`` in the child, so a
-training script without an ``if __name__ == "__main__":`` guard ran again in the
-worker, blocked in its own ``save`` and hung the trainer in ``close()``. Here the
-child's ``__main__`` is the bootstrap line; it imports only this package and torch.
+:class:`~.persistent.PersistentAsyncCaller` starts it one of two ways, neither of
+them multiprocessing's ``spawn`` (which re-imports the parent's ``__main__`` in the
+child, so a training script without an ``if __name__ == "__main__":`` guard ran
+again in the worker, blocked in its own ``save`` and hung the trainer in
+``close()``):
+
+- forked from the trainer (:class:`ForkedProcess`, the default where ``os.fork``
+  exists, knob ``ASYNC_WORKER_FORK``): ready in milliseconds, since torch and this
+  package are already imported; the child runs only :func:`main`, with torch set to
+  one intra-op thread (as forked data-loader workers are). It never touches CUDA:
+  requests carry CPU tensors in shared memory;
+- a fresh interpreter (``ASYNC_WORKER_FORK=0``): ``python -c BOOTSTRAP``
+  (:func:`worker_command`) through :mod:`subprocess`, whose ``__main__`` is the
+  bootstrap line; it imports only this package and torch (seconds).
 
 The two processes talk over two pipes in length-prefixed frames of pickled
 tuples (:func:`write_frame`, :class:`FrameReader`):
@@ -30,9 +38,11 @@ import pickle
 import queue
 import signal
 import struct
+import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +63,51 @@ def worker_command(requests_fd: int, results_fd: int) -> list[str]:
     """The command line that starts a worker reading ``requests_fd``, writing ``results_fd``."""
     package_root = Path(__file__).resolve().parents[3]
     return [sys.executable, "-c", _BOOTSTRAP, str(package_root), str(requests_fd), str(results_fd)]
+
+
+class ForkedProcess:
+    """A worker forked from this process, with the part of :class:`subprocess.Popen`'s
+    interface the parent uses (``pid``, ``poll``, ``kill``, ``wait``).
+
+    ``parent_ends`` are the pipe ends only the parent must hold: the child closes its
+    copies, so that it sees end-of-file when the parent goes away."""
+
+    def __init__(self, requests_fd: int, results_fd: int, parent_ends: tuple[int, ...]) -> None:
+        context = multiprocessing.get_context("fork")
+        self._process = context.Process(
+            target=_forked_main,
+            args=(requests_fd, results_fd, parent_ends),
+            name="dist-ckpt-persistent-worker",
+        )
+        with warnings.catch_warnings():
+            # Python 3.12+ warns when a process with threads forks; the child runs
+            # only :func:`main` (its own threads) and no intra-op thread pool.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self._process.start()
+        assert self._process.pid is not None  # set by start()
+        self.pid: int = self._process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired("persistent worker", timeout or 0.0)
+        return code
+
+
+def _forked_main(requests_fd: int, results_fd: int, parent_ends: tuple[int, ...]) -> None:
+    for fd in parent_ends:
+        os.close(fd)
+    import torch
+
+    torch.set_num_threads(1)  # the worker only moves bytes; no pool inherited mid-use
+    main(requests_fd, results_fd)
 
 
 def write_frame(fd: int, obj: Any) -> None:
