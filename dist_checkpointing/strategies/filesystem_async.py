@@ -24,7 +24,6 @@ import os
 import pickle
 import queue
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,9 +43,9 @@ from ..engine.storage.write_results import data_file_checksums, storage_data_fro
 from ..engine.storage.write_workers import (
     FileResultsQueue,
     ResultsQueue,
+    StageBuckets,
     WriteBucket,
     WriteOutcome,
-    stage_buckets_to_host,
     write_buckets_in_process,
     write_buckets_multiproc,
     write_buckets_threaded,
@@ -365,7 +364,10 @@ class FileSystemWriterAsync(StorageWriter):
         if hook is not _DEFAULT_WRITE_PRELOADED_DATA:
             write_fn = functools.partial(write_fn, write_bucket=hook)
         args: list[Any] = [self._rank_or_default(), buckets, self._results_queue, self.sync_files]
-        return write_fn, _StageFn(buckets), args
+        # A synchronous save with a copy-ahead budget stages nothing up front: its
+        # writer threads stream accelerator tensors through the staging pool.
+        deferred = in_process and knobs.COPY_AHEAD_BYTES.get() > 0
+        return write_fn, StageBuckets(buckets, deferred), args
 
     def retrieve_write_results(self, timeout: float | None = None) -> list[WriteResult]:
         """This rank's WriteResults once the write function finished.
@@ -465,16 +467,6 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
     if _results_queue is None:
         _results_queue = multiprocessing.get_context(mp_mode).Manager().Queue()
     return _results_queue
-
-
-@dataclass(frozen=True)
-class _StageFn:
-    """``stage_fn`` of get_save_function_and_args (picklable, unlike a closure)."""
-
-    buckets: list[WriteBucket]
-
-    def __call__(self) -> list[WriteBucket]:
-        return stage_buckets_to_host(self.buckets)
 
 
 def _new_uuid() -> str:

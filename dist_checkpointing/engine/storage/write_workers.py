@@ -22,7 +22,7 @@ import signal
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ from . import item_writer
 from .base import FileSystemIO
 from .checksums import ChecksumStream, ItemChecksum
 from .resolve import filesystem_for
+from .staging_pool import CopyAhead, byte_view, shared_pool
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +97,37 @@ def stage_buckets_to_host(buckets: list[WriteBucket]) -> list[WriteBucket]:
     return buckets
 
 
+@dataclass(frozen=True)
+class StageBuckets:
+    """The staging step of a save (an ``AsyncRequest``'s ``preload_fn``; picklable).
+
+    Called, it copies the accelerator tensors of ``buckets`` to host memory
+    (:func:`stage_buckets_to_host`) and returns ``buckets``. With ``deferred`` (a
+    synchronous save with a copy-ahead budget) it does nothing: the writer threads
+    stream those tensors through the staging pool instead. An async caller that
+    keeps its own snapshot memory stages ``buckets`` itself
+    (:meth:`~dist_checkpointing.engine.async_save.snapshot.SnapshotArena.stage`).
+    """
+
+    buckets: list[WriteBucket]
+    deferred: bool = False
+
+    def __call__(self) -> list[WriteBucket]:
+        if self.deferred:
+            return self.buckets
+        return stage_buckets_to_host(self.buckets)
+
+
 # --------------------------------------------------------------------------- writing
 
 
 def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -> list[WriteResult]:
     """Write one bucket's items to its file; return one WriteResult per item.
 
-    Bytes items come first, then tensors; accelerator tensors are copied to the host
-    one at a time. Raises ``OSError`` on I/O failure.
+    Bytes items come first, then tensors. Accelerator tensors still on their device
+    (a synchronous save) stream through this process's staging pool
+    (:mod:`.staging_pool`): at most ``COPY_AHEAD_BYTES`` of host memory, the copy of
+    the next chunk overlapping the write of this one. Raises ``OSError`` on I/O failure.
     """
     results: list[WriteResult] = []
     with fs.open_write(bucket.path) as raw:
@@ -115,18 +139,66 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
             length = stream.write(data.getbuffer())
             results.append(_result(item, bucket.relative_path, offset, length, stream.end_item()))
             offset += length
-        for item, tensor in bucket.tensor_items:
-            if not tensor.is_cpu:
-                # Unstaged (synchronous path): one copy at a time bounds host memory.
-                # Never happens in forked workers: the async path stages first.
-                tensor = tensor.cpu()
-            stream.begin_item()
-            length = item_writer.write_tensor(stream, tensor)  # type: ignore[arg-type]
-            results.append(_result(item, bucket.relative_path, offset, length, stream.end_item()))
-            offset += length
+        staged = _DeviceStaging(bucket.tensor_items)
+        try:
+            for i, (item, tensor) in enumerate(bucket.tensor_items):
+                stream.begin_item()
+                length = staged.write(stream, i, tensor)
+                results.append(
+                    _result(item, bucket.relative_path, offset, length, stream.end_item())
+                )
+                offset += length
+        finally:
+            staged.close()
         if sync_files:
             fs.fsync(raw)
     return results
+
+
+class _DeviceStaging:
+    """The accelerator tensors of one bucket, copied ahead through the staging pool."""
+
+    def __init__(self, tensor_items: list[tuple[WriteItem, torch.Tensor]]) -> None:
+        on_device = [i for i, (_, t) in enumerate(tensor_items) if not t.is_cpu]
+        pool = shared_pool() if on_device else None
+        self.streamed = (
+            {i for i in on_device if item_writer.can_stream(tensor_items[i][1])}
+            if pool is not None
+            else set()
+        )
+        order = sorted(self.streamed)
+        self._chunks: Any = iter(())
+        if pool is not None and order:
+            sources = [byte_view(tensor_items[i][1]) for i in order]
+            self._chunks = iter(CopyAhead(pool, sources))
+
+    def write(self, stream: Any, index: int, tensor: torch.Tensor) -> int:
+        if index in self.streamed:
+            return item_writer.write_tensor_streamed(stream, tensor, self._pieces())
+        if tensor.is_cpu and not _whole_storage(tensor) and item_writer.can_stream(tensor):
+            # A view of a larger buffer (a snapshot segment): only its own bytes.
+            data = byte_view(tensor).numpy().data
+            return item_writer.write_tensor_streamed(stream, tensor, [data])
+        if not tensor.is_cpu:
+            # No pool (COPY_AHEAD_BYTES=0) or a tensor the streamed writer does not
+            # handle: one whole copy at a time.
+            tensor = tensor.cpu()
+        return item_writer.write_tensor(stream, tensor)
+
+    def _pieces(self) -> Iterator[memoryview]:
+        for chunk in self._chunks:
+            yield chunk.view
+            if chunk.last:
+                return
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()  # waits for copies still running and returns their buffers
+
+
+def _whole_storage(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
 
 
 # Writes one staged bucket file and returns its WriteResults.
@@ -417,6 +489,7 @@ class FileResultsQueue:
 __all__ = [
     "FileResultsQueue",
     "ResultsQueue",
+    "StageBuckets",
     "WriteBucket",
     "WriteOutcome",
     "stage_buckets_to_host",
