@@ -13,14 +13,16 @@ already in memory), the largest over the ranks:
 - ``sync save``: ``save()`` written by threads of the rank;
 - ``async temporal``: an async save through a fresh forked process per save;
 - ``async persistent``: three async saves through one long-lived worker per rank (what
-  stays mapped between saves counts: the baseline is taken before the first save);
+  stays mapped between saves counts: the baseline is taken before the first save, and
+  the worker's own interpreter counts too);
 - ``load``: a load into preallocated (and already touched) tensors.
 
 With ``--touch`` (the default) every tensor is modified in place right after an async save
 returns, as the next training step would: the snapshot the save must keep is then real
 memory for every caller (a forked writer's copy-on-write pages included).
 
-Each operation runs twice: with the copy-ahead budget (``--budget-mib``, default: the
+For the async saves it also prints how long each save blocked the caller (``save()`` and
+``schedule_async_request``, slowest rank). Each operation runs twice: with the copy-ahead budget (``--budget-mib``, default: the
 ``COPY_AHEAD_BYTES`` knob's default) and with it off (``DIST_CKPT_COPY_AHEAD_BYTES=0``).
 Run with torchrun; ``--device cuda`` puts the state on the GPU (one per rank).
 """
@@ -33,6 +35,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -49,6 +52,7 @@ TENSORS = 16
 COLS = 1024
 MIB = 1 << 20
 BUDGET_ENV = "DIST_CKPT_COPY_AHEAD_BYTES"
+BLOCKED: list[float] = []  # seconds each async save blocked this rank, in order
 
 
 def _pss(pid: int) -> int:
@@ -159,8 +163,10 @@ def async_save(
         with PeakAbove() as m:
             for i in range(saves):
                 with checkpoint_dir(root, f"async{i}") as path:
+                    start = time.perf_counter()
                     request = dc.save(sharded(local), path, async_sharded_save=True)
                     queue.schedule_async_request(request)
+                    BLOCKED.append(time.perf_counter() - start)
                     if do_touch:
                         touch(local)
                     queue.maybe_finalize_async_calls(blocking=True)
@@ -191,7 +197,16 @@ def run_all(args: argparse.Namespace, root: str) -> dict[str, int]:
         "async persistent": lambda: async_save(local, root, True, 3, args.touch),
         "load": lambda: load(local, root),
     }
-    return {name: max_over_ranks(op()) for name, op in ops.items()}
+    out = {}
+    for name, op in ops.items():
+        BLOCKED.clear()
+        out[name] = max_over_ranks(op())
+        if BLOCKED:
+            blocked = torch.tensor(BLOCKED, dtype=torch.float64)
+            dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
+            times = ", ".join(f"{x:.3f}" for x in blocked.tolist())
+            log(f"  {name}: blocked per save (slowest rank, s): {times}")
+    return out
 
 
 def main() -> None:

@@ -75,8 +75,9 @@ class FileSystemWriterAsync(StorageWriter):
        coordinator removes a stale ``.metadata``; sets the file prefix ``__<rank>_``.
     3. (coordinator) ``prepare_global_plan(plans)``: fills prefixes still missing.
     4. (all ranks) ``write_data(plan, planner)``: ``prepare_write_data``, then one
-       thread per bucket file in this process (accelerator tensors are copied to the
-       host one at a time); returns a completed Future.
+       thread per bucket file in this process (accelerator tensors stream through the
+       staging pool, at most ``COPY_AHEAD_BYTES`` of host memory); returns a completed
+       Future.
     5. (coordinator) ``finish(metadata, results)``: ``.metadata``, last and atomically.
 
     Asynchronous use (Megatron-Core style, e.g. with an ``AsyncRequest``):
@@ -105,7 +106,8 @@ class FileSystemWriterAsync(StorageWriter):
         sync_files: fsync every file written (without it a crash can lose data).
         thread_count: buckets (files, and writer threads or processes) per rank.
         per_thread_copy_ahead: accepted for parity with torch's ``FileSystemWriter``;
-            unused, since staging copies all accelerator tensors in one batch.
+            unused: the ``COPY_AHEAD_BYTES`` knob bounds the staging of a synchronous
+            write, and an async save stages everything before returning.
         overwrite: allow saving into a directory that holds a checkpoint already.
         separation_hint: items whose key starts with this prefix go to separate files.
         results_queue: where the async write function reports (anything with
@@ -234,8 +236,8 @@ class FileSystemWriterAsync(StorageWriter):
         """Write all items of ``plan`` in this process; a completed Future of the results."""
         self.prepare_write_data(plan, planner)
         assert self._buckets is not None  # set by prepare_write_data
-        # No bulk staging here: each writer thread copies its tensors to the host one
-        # at a time, so host memory stays bounded (as with torch's FileSystemWriter).
+        # No bulk staging here: the writer threads stream accelerator tensors through
+        # the staging pool, so host memory stays within COPY_AHEAD_BYTES.
         outcome = write_buckets_threaded(
             self._rank_or_default(),
             self._buckets,
@@ -337,9 +339,12 @@ class FileSystemWriterAsync(StorageWriter):
 
         ``write_fn(*args)`` is :func:`write_buckets_multiproc` with ``args = [rank,
         buckets, results_queue, sync_files]``; ``stage_fn()`` stages ``args[1]`` to host
-        memory in place and returns it. With ``in_process`` (synchronous saves) it is
-        :func:`write_buckets_in_process` (threads, no worker processes) reporting
-        through an in-memory queue.
+        memory in place and returns it (a :class:`StageBuckets`; the persistent async
+        caller stages its buckets into its snapshot arena instead). With ``in_process``
+        (synchronous saves) it is :func:`write_buckets_in_process` (threads, no worker
+        processes) reporting through an in-memory queue, and ``stage_fn()`` stages
+        nothing unless ``COPY_AHEAD_BYTES`` is 0: the threads stream accelerator tensors
+        through the staging pool.
         """
         if self._buckets is None:
             raise CheckpointingException(

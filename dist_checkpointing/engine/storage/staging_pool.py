@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .. import knobs
+from . import item_writer
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -274,12 +275,69 @@ class CopyAhead:
             self.pool.release(done.buffer)
 
 
+class TensorItemWriter:
+    """Writes the tensor items of one data file: accelerator tensors stream through
+    :func:`shared_pool` (one :class:`CopyAhead` over all of them, so the copies of the
+    next item overlap the write of this one), views of larger CPU buffers (snapshot
+    segments) are written with their own bytes only, other CPU tensors as they are.
+
+    Call sequence: ``write(stream, i, tensor)`` for each item in order, then ``close()``
+    (also after a failure: it waits for copies still running and frees their buffers).
+    """
+
+    def __init__(self, tensor_items: Sequence[tuple[Any, torch.Tensor]]) -> None:
+        on_device = [i for i, (_, t) in enumerate(tensor_items) if not t.is_cpu]
+        pool = shared_pool() if on_device else None
+        self.streamed = (
+            {i for i in on_device if item_writer.can_stream(tensor_items[i][1])}
+            if pool is not None
+            else set()
+        )
+        order = sorted(self.streamed)
+        self._chunks: Any = iter(())
+        if pool is not None and order:
+            sources = [byte_view(tensor_items[i][1]) for i in order]
+            self._chunks = iter(CopyAhead(pool, sources))
+
+    def write(self, stream: Any, index: int, tensor: torch.Tensor) -> int:
+        """Write item ``index`` (``tensor``) to ``stream``; return the bytes written."""
+        if index in self.streamed:
+            return item_writer.write_tensor_streamed(stream, tensor, self._pieces())
+        if tensor.is_cpu and not _whole_storage(tensor):
+            # A view of a larger buffer (a snapshot segment): only its own bytes.
+            if item_writer.can_stream(tensor):
+                data = byte_view(tensor).numpy().data
+                return item_writer.write_tensor_streamed(stream, tensor, [data])
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        if not tensor.is_cpu:
+            # No pool (COPY_AHEAD_BYTES=0) or a tensor the streamed writer does not
+            # handle: one whole copy at a time.
+            tensor = tensor.cpu()
+        return item_writer.write_tensor(stream, tensor)
+
+    def _pieces(self) -> Iterator[memoryview]:
+        for chunk in self._chunks:
+            yield chunk.view
+            if chunk.last:
+                return
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()  # waits for copies still running and returns their buffers
+
+
+def _whole_storage(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+
+
 __all__ = [
     "Chunk",
     "CopyAhead",
     "PoolStats",
     "StagingBuffer",
     "StagingPool",
+    "TensorItemWriter",
     "byte_view",
     "pinning_available",
     "shared_pool",

@@ -22,7 +22,7 @@ import signal
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,11 +32,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._torch_compat import StorageInfo
 from ..process import child_context, describe_exit, gc_paused, traceback_text
-from . import item_writer
 from .base import FileSystemIO
 from .checksums import ChecksumStream, ItemChecksum
 from .resolve import filesystem_for
-from .staging_pool import CopyAhead, byte_view, shared_pool
+from .staging_pool import TensorItemWriter
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
             length = stream.write(data.getbuffer())
             results.append(_result(item, bucket.relative_path, offset, length, stream.end_item()))
             offset += length
-        staged = _DeviceStaging(bucket.tensor_items)
+        staged = TensorItemWriter(bucket.tensor_items)
         try:
             for i, (item, tensor) in enumerate(bucket.tensor_items):
                 stream.begin_item()
@@ -153,52 +152,6 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
         if sync_files:
             fs.fsync(raw)
     return results
-
-
-class _DeviceStaging:
-    """The accelerator tensors of one bucket, copied ahead through the staging pool."""
-
-    def __init__(self, tensor_items: list[tuple[WriteItem, torch.Tensor]]) -> None:
-        on_device = [i for i, (_, t) in enumerate(tensor_items) if not t.is_cpu]
-        pool = shared_pool() if on_device else None
-        self.streamed = (
-            {i for i in on_device if item_writer.can_stream(tensor_items[i][1])}
-            if pool is not None
-            else set()
-        )
-        order = sorted(self.streamed)
-        self._chunks: Any = iter(())
-        if pool is not None and order:
-            sources = [byte_view(tensor_items[i][1]) for i in order]
-            self._chunks = iter(CopyAhead(pool, sources))
-
-    def write(self, stream: Any, index: int, tensor: torch.Tensor) -> int:
-        if index in self.streamed:
-            return item_writer.write_tensor_streamed(stream, tensor, self._pieces())
-        if tensor.is_cpu and not _whole_storage(tensor) and item_writer.can_stream(tensor):
-            # A view of a larger buffer (a snapshot segment): only its own bytes.
-            data = byte_view(tensor).numpy().data
-            return item_writer.write_tensor_streamed(stream, tensor, [data])
-        if not tensor.is_cpu:
-            # No pool (COPY_AHEAD_BYTES=0) or a tensor the streamed writer does not
-            # handle: one whole copy at a time.
-            tensor = tensor.cpu()
-        return item_writer.write_tensor(stream, tensor)
-
-    def _pieces(self) -> Iterator[memoryview]:
-        for chunk in self._chunks:
-            yield chunk.view
-            if chunk.last:
-                return
-
-    def close(self) -> None:
-        close = getattr(self._chunks, "close", None)
-        if close is not None:
-            close()  # waits for copies still running and returns their buffers
-
-
-def _whole_storage(t: torch.Tensor) -> bool:
-    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
 
 
 # Writes one staged bucket file and returns its WriteResults.
