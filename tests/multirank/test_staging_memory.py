@@ -142,3 +142,37 @@ def test_copy_ahead_from_cuda_is_byte_exact_through_pinned_buffers() -> None:
     assert [bytes(o) for o in out] == [s.cpu().numpy().tobytes() for s in sources]
     buffer = pool.acquire()
     assert buffer is not None and buffer.data.is_pinned()
+
+
+def _rank_worker_restart(root: Path) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    queue = AsyncCallsQueue(persistent=True)
+    caller = queue.persistent_caller
+    assert caller is not None
+    local = _state(rank, 1)
+    mismatches, pids = [], []
+    for step in range(2):
+        ckpt = root / f"step{step}"
+        if rank == 0:
+            ckpt.mkdir()
+        dist.barrier()
+        request = dc.save(_sharded(local, rank, world), ckpt, async_sharded_save=True)
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        pids.append(caller.worker_pid)
+        mismatches.append(_mismatches(ckpt, local))
+        if step == 0:  # the worker dies between saves: the next one maps the segment anew
+            assert caller.process is not None
+            caller.process.proc.kill()
+            caller.process.proc.wait()
+    out = {"mismatches": mismatches, "pids": pids, "stats": dict(caller.arena.stats)}
+    queue.close()
+    return out
+
+
+def test_a_new_worker_receives_the_reused_segment_again(tmp_path: Path) -> None:
+    results = run_distributed(_rank_worker_restart, 2, tmp_path, timeout=180.0)
+    for res in results:
+        assert res["mismatches"] == [[], []]
+        assert res["pids"][0] != res["pids"][1]
+        assert res["stats"] == {"allocated": 1, "reused": 1}
