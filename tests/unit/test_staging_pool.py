@@ -15,6 +15,7 @@ from dist_checkpointing.engine.storage.staging_pool import (
     CopyAhead,
     StagingPool,
     byte_view,
+    fill_from_host,
     shared_pool,
 )
 
@@ -171,3 +172,33 @@ def test_a_short_stream_is_an_error() -> None:
     t = torch.zeros(10)
     with pytest.raises(ValueError, match="staged 8 bytes"):
         item_writer.write_tensor_streamed(io.BytesIO(), t, [b"\0" * 8])
+
+
+def test_fill_from_host_reads_chunk_by_chunk_within_the_budget() -> None:
+    """The load side (a CPU target stands in for a device one)."""
+    pool = StagingPool(budget_bytes=2 * KIB, buffer_bytes=KIB, pinned=False)
+    (source,) = _sources(5 * KIB + 3)
+    target = torch.zeros(5 * KIB + 3, dtype=torch.uint8)
+    reads: list[int] = []
+
+    def read(offset: int, host: torch.Tensor) -> None:
+        assert host.numel() <= KIB and pool.in_use <= 2
+        reads.append(offset)
+        host.copy_(source[offset : offset + host.numel()])
+
+    fill_from_host(target, read, pool)
+    assert torch.equal(target, source)
+    assert reads == [0, KIB, 2 * KIB, 3 * KIB, 4 * KIB, 5 * KIB]
+    assert pool.in_use == 0 and pool.stats.allocated <= 2
+
+
+def test_fill_from_host_gives_buffers_back_when_a_read_fails() -> None:
+    pool = StagingPool(budget_bytes=2 * KIB, buffer_bytes=KIB, pinned=False)
+
+    def failing(offset: int, host: torch.Tensor) -> None:
+        if offset:
+            raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        fill_from_host(torch.zeros(4 * KIB, dtype=torch.uint8), failing, pool)
+    assert pool.in_use == 0

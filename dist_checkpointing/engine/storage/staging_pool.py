@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +275,55 @@ class CopyAhead:
             self.pool.release(done.buffer)
 
 
+def fill_from_host(
+    target: torch.Tensor, read: Callable[[int, torch.Tensor], None], pool: StagingPool
+) -> None:
+    """Fill contiguous ``target`` (an accelerator tensor) through ``pool``'s buffers.
+
+    ``read(offset, host)`` fills the flat ``uint8`` CPU tensor ``host`` with the bytes of
+    ``target`` from ``offset`` on (e.g. from a file); each chunk is then copied to the
+    device on a side stream while the next chunk is read. Returns once every copy is
+    complete (later work on the current stream sees the values). Host memory: at most
+    the pool's budget, whatever the size of ``target``.
+    """
+    flat = byte_view(target)
+    cuda = flat.device.type == "cuda"
+    stream = torch.cuda.Stream(flat.device) if cuda else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(flat.device))
+    pending: deque[tuple[StagingBuffer, Any]] = deque()
+
+    def finish_oldest() -> None:
+        buffer, event = pending.popleft()
+        if event is not None:
+            event.synchronize()
+        pool.release(buffer)
+
+    try:
+        for start in range(0, int(flat.numel()), pool.buffer_bytes):
+            length = min(pool.buffer_bytes, int(flat.numel()) - start)
+            buffer = pool.acquire(block=not pending)
+            while buffer is None:  # every buffer busy: wait for our oldest copy
+                finish_oldest()
+                buffer = pool.acquire(block=not pending)
+            pending.append((buffer, None))
+            host = buffer.data[:length]
+            read(start, host)
+            if stream is None:
+                flat[start : start + length].copy_(host)
+                continue
+            with torch.cuda.stream(stream):
+                flat[start : start + length].copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            pending[-1] = (buffer, event)
+    finally:
+        while pending:
+            finish_oldest()
+        if stream is not None:
+            torch.cuda.current_stream(flat.device).wait_stream(stream)
+
+
 class TensorItemWriter:
     """Writes the tensor items of one data file: accelerator tensors stream through
     :func:`shared_pool` (one :class:`CopyAhead` over all of them, so the copies of the
@@ -339,6 +388,7 @@ __all__ = [
     "StagingPool",
     "TensorItemWriter",
     "byte_view",
+    "fill_from_host",
     "pinning_available",
     "shared_pool",
 ]
