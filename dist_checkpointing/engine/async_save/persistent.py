@@ -1,8 +1,9 @@
 """The persistent caller: one long-lived worker process per rank.
 
 There is no fork cost per checkpoint, but ``async_fn`` must be picklable (a
-module-level function); CPU tensors of the arguments are copied into shared memory
-when the request is scheduled (see :class:`PersistentAsyncCaller`).
+module-level function); a save's tensors are copied into the caller's snapshot arena
+(shared memory reused from save to save, mapped by the worker once) when the request is
+scheduled (see :class:`PersistentAsyncCaller`).
 """
 
 from __future__ import annotations
