@@ -42,14 +42,12 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 import torch.distributed as dist
+from async_save import make_state, sharded
 from common import fmt_mib, log, rank, world
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-TENSORS = 16
-COLS = 1024
 MIB = 1 << 20
 BUDGET_ENV = "DIST_CKPT_COPY_AHEAD_BYTES"
 BLOCKED: list[float] = []  # seconds each async save blocked this rank, in order
@@ -105,22 +103,6 @@ class PeakAbove:
     @property
     def peak(self) -> int:
         return self.top - self.base
-
-
-def make_state(size_mib: int, device: torch.device) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(3000 + rank())
-    per_tensor = size_mib * MIB // 4 // TENSORS // world()
-    rows = max(per_tensor // COLS, 1)
-    return {
-        f"layer{i}.weight": torch.randn(rows, COLS, generator=gen).to(device)
-        for i in range(TENSORS)
-    }
-
-
-def sharded(local: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
-    return {
-        k: ShardedTensor.from_rank_offsets(k, t, (0, rank(), world())) for k, t in local.items()
-    }
 
 
 def touch(local: dict[str, torch.Tensor]) -> None:
@@ -188,7 +170,7 @@ def load(local: dict[str, torch.Tensor], root: str) -> int:
     return m.peak
 
 
-def run_all(args: argparse.Namespace, root: str) -> dict[str, int]:
+def run_all(args: argparse.Namespace, root: str, label: str) -> dict[str, int]:
     device = torch.device(args.device, rank() if args.device == "cuda" else None)
     local = make_state(args.size_mib, device)
     ops: dict[str, Callable[[], int]] = {
@@ -205,7 +187,7 @@ def run_all(args: argparse.Namespace, root: str) -> dict[str, int]:
             blocked = torch.tensor(BLOCKED, dtype=torch.float64)
             dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
             times = ", ".join(f"{x:.3f}" for x in blocked.tolist())
-            log(f"  {name}: blocked per save (slowest rank, s): {times}")
+            log(f"  budget {label}, {name}: blocked per save (slowest rank, s): {times}")
     return out
 
 
@@ -238,7 +220,7 @@ def main() -> None:
                 os.environ.pop(BUDGET_ENV, None)
             else:
                 os.environ[BUDGET_ENV] = value
-            results[label] = run_all(args, root)
+            results[label] = run_all(args, root, label)
     finally:
         if saved_env is None:
             os.environ.pop(BUDGET_ENV, None)
