@@ -32,6 +32,9 @@ MSC_PREFETCH_WHOLE_FILES       0          1: download whole msc:// data files, r
 MSC_WRITE_SPOOL_BYTES          67108864   msc:// upload buffer kept in memory (then on disk)
 MSC_ATTEMPTS                   3          tries of an msc:// request that failed to connect
 MSC_RETRY_DELAY_S              0.5        wait before the first retry (doubles each time)
+COPY_AHEAD_BYTES               268435456  host memory for staged copies of accelerator tensors
+                                          while they are written or read (0: no bound)
+STAGING_BUFFER_BYTES           33554432   size of one buffer of the staging pool
 ============================== ========== ===================================================
 """
 
@@ -150,6 +153,16 @@ MSC_WRITE_SPOOL_BYTES = Knob(
 MSC_ATTEMPTS = Knob("MSC_ATTEMPTS", 3, 1, "tries of an msc:// request that failed to connect")
 MSC_RETRY_DELAY_S = Knob("MSC_RETRY_DELAY_S", 0.5, 0.0, "seconds before the first msc:// retry")
 
+COPY_AHEAD_BYTES = Knob(
+    "COPY_AHEAD_BYTES",
+    256 << 20,
+    0,
+    "host memory for staged copies of accelerator tensors being written or read (0: no bound)",
+)
+STAGING_BUFFER_BYTES = Knob(
+    "STAGING_BUFFER_BYTES", 32 << 20, 4096, "size of one buffer of the staging pool"
+)
+
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
     WRITE_BUFFER_BYTES,
@@ -174,6 +187,8 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     MSC_WRITE_SPOOL_BYTES,
     MSC_ATTEMPTS,
     MSC_RETRY_DELAY_S,
+    COPY_AHEAD_BYTES,
+    STAGING_BUFFER_BYTES,
 )
 
 __all__ = [
@@ -203,4 +218,6 @@ __all__ = [
     "MSC_WRITE_SPOOL_BYTES",
     "MSC_ATTEMPTS",
     "MSC_RETRY_DELAY_S",
+    "COPY_AHEAD_BYTES",
+    "STAGING_BUFFER_BYTES",
 ]

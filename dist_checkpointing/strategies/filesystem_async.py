@@ -24,7 +24,6 @@ import os
 import pickle
 import queue
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,9 +43,9 @@ from ..engine.storage.write_results import data_file_checksums, storage_data_fro
 from ..engine.storage.write_workers import (
     FileResultsQueue,
     ResultsQueue,
+    StageBuckets,
     WriteBucket,
     WriteOutcome,
-    stage_buckets_to_host,
     write_buckets_in_process,
     write_buckets_multiproc,
     write_buckets_threaded,
@@ -76,8 +75,9 @@ class FileSystemWriterAsync(StorageWriter):
        coordinator removes a stale ``.metadata``; sets the file prefix ``__<rank>_``.
     3. (coordinator) ``prepare_global_plan(plans)``: fills prefixes still missing.
     4. (all ranks) ``write_data(plan, planner)``: ``prepare_write_data``, then one
-       thread per bucket file in this process (accelerator tensors are copied to the
-       host one at a time); returns a completed Future.
+       thread per bucket file in this process (accelerator tensors stream through the
+       staging pool, at most ``COPY_AHEAD_BYTES`` of host memory); returns a completed
+       Future.
     5. (coordinator) ``finish(metadata, results)``: ``.metadata``, last and atomically.
 
     Asynchronous use (Megatron-Core style, e.g. with an ``AsyncRequest``):
@@ -106,7 +106,8 @@ class FileSystemWriterAsync(StorageWriter):
         sync_files: fsync every file written (without it a crash can lose data).
         thread_count: buckets (files, and writer threads or processes) per rank.
         per_thread_copy_ahead: accepted for parity with torch's ``FileSystemWriter``;
-            unused, since staging copies all accelerator tensors in one batch.
+            unused: the ``COPY_AHEAD_BYTES`` knob bounds the staging of a synchronous
+            write, and an async save stages everything before returning.
         overwrite: allow saving into a directory that holds a checkpoint already.
         separation_hint: items whose key starts with this prefix go to separate files.
         results_queue: where the async write function reports (anything with
@@ -235,8 +236,8 @@ class FileSystemWriterAsync(StorageWriter):
         """Write all items of ``plan`` in this process; a completed Future of the results."""
         self.prepare_write_data(plan, planner)
         assert self._buckets is not None  # set by prepare_write_data
-        # No bulk staging here: each writer thread copies its tensors to the host one
-        # at a time, so host memory stays bounded (as with torch's FileSystemWriter).
+        # No bulk staging here: the writer threads stream accelerator tensors through
+        # the staging pool, so host memory stays within COPY_AHEAD_BYTES.
         outcome = write_buckets_threaded(
             self._rank_or_default(),
             self._buckets,
@@ -338,9 +339,12 @@ class FileSystemWriterAsync(StorageWriter):
 
         ``write_fn(*args)`` is :func:`write_buckets_multiproc` with ``args = [rank,
         buckets, results_queue, sync_files]``; ``stage_fn()`` stages ``args[1]`` to host
-        memory in place and returns it. With ``in_process`` (synchronous saves) it is
-        :func:`write_buckets_in_process` (threads, no worker processes) reporting
-        through an in-memory queue.
+        memory in place and returns it (a :class:`StageBuckets`; the persistent async
+        caller stages its buckets into its snapshot arena instead). With ``in_process``
+        (synchronous saves) it is :func:`write_buckets_in_process` (threads, no worker
+        processes) reporting through an in-memory queue, and ``stage_fn()`` stages
+        nothing unless ``COPY_AHEAD_BYTES`` is 0: the threads stream accelerator tensors
+        through the staging pool.
         """
         if self._buckets is None:
             raise CheckpointingException(
@@ -365,7 +369,10 @@ class FileSystemWriterAsync(StorageWriter):
         if hook is not _DEFAULT_WRITE_PRELOADED_DATA:
             write_fn = functools.partial(write_fn, write_bucket=hook)
         args: list[Any] = [self._rank_or_default(), buckets, self._results_queue, self.sync_files]
-        return write_fn, _StageFn(buckets), args
+        # A synchronous save with a copy-ahead budget stages nothing up front: its
+        # writer threads stream accelerator tensors through the staging pool.
+        deferred = in_process and knobs.COPY_AHEAD_BYTES.get() > 0
+        return write_fn, StageBuckets(buckets, deferred), args
 
     def retrieve_write_results(self, timeout: float | None = None) -> list[WriteResult]:
         """This rank's WriteResults once the write function finished.
@@ -465,16 +472,6 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
     if _results_queue is None:
         _results_queue = multiprocessing.get_context(mp_mode).Manager().Queue()
     return _results_queue
-
-
-@dataclass(frozen=True)
-class _StageFn:
-    """``stage_fn`` of get_save_function_and_args (picklable, unlike a closure)."""
-
-    buckets: list[WriteBucket]
-
-    def __call__(self) -> list[WriteBucket]:
-        return stage_buckets_to_host(self.buckets)
 
 
 def _new_uuid() -> str:

@@ -1,8 +1,9 @@
 """The persistent caller: one long-lived worker process per rank.
 
 There is no fork cost per checkpoint, but ``async_fn`` must be picklable (a
-module-level function); CPU tensors of the arguments are copied into shared memory
-when the request is scheduled (see :class:`PersistentAsyncCaller`).
+module-level function); a save's tensors are copied into the caller's snapshot arena
+(shared memory reused from save to save, mapped by the worker once) when the request is
+scheduled (see :class:`PersistentAsyncCaller`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import io
 import logging
 import multiprocessing
 import os
@@ -21,46 +21,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (importing it registers the shared-memory reductions)
-from torch.multiprocessing.reductions import reduce_tensor
 
-from ..._torch_compat import new_shared_tensor_like
 from .. import knobs
 from ..process import describe_exit, format_current_exception
+from ..storage.write_workers import StageBuckets
 from .agreement import _CallStatus, _global_rank, _State
 from .caller import AsyncCaller
 from .request import AsyncRequest
+from .snapshot import ArenaPickler, SnapshotArena
 from .worker import ForkedProcess, FrameReader, worker_command, write_frame
 
 logger = logging.getLogger(__name__)
-
-
-class _SnapshotPickler(ForkingPickler):
-    """torch.multiprocessing's pickler, but CPU tensors are copied (once, straight
-    into shared memory) before they are shared, so the receiver sees their values
-    at pickling time."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (
-            isinstance(obj, torch.Tensor)
-            and obj.device.type == "cpu"
-            and obj.layout == torch.strided
-        ):
-            snapshot = new_shared_tensor_like(obj)
-            snapshot.copy_(obj.detach())
-            return reduce_tensor(snapshot)
-        return NotImplemented
-
-    @classmethod
-    def dumps(cls, obj: Any, protocol: int | None = None) -> bytes:  # type: ignore[override]
-        buf = io.BytesIO()
-        cls(buf, protocol).dump(obj)
-        return buf.getvalue()
 
 
 class PersistentAsyncCaller(AsyncCaller):
@@ -77,24 +52,30 @@ class PersistentAsyncCaller(AsyncCaller):
     ``DIST_CKPT_ASYNC_WORKER_START_TIMEOUT_S`` fails the calls it holds. Requests
     run in the worker one at a time, in scheduling order; several may be pending.
 
-    Requests travel to the worker pickled with torch.multiprocessing's pickler:
+    Requests travel to the worker pickled with torch.multiprocessing's pickler
+    (:class:`~.snapshot.ArenaPickler`):
 
     - ``async_fn`` must be picklable, i.e. a module-level function of an
       importable module (no lambda, no local function, nothing defined in
       ``__main__``); otherwise the request fails at finalization.
-    - CPU tensors in the arguments are *copied* into shared memory when the
-      request is scheduled, and the worker maps that copy: the checkpoint holds
-      the values at scheduling time even if training updates the tensors in
-      place right after (the temporal caller gets the same guarantee from
-      fork's copy-on-write, for free). The copy costs a memcpy into fresh
-      shared memory (~0.25 s for 512 MB here) while the caller is blocked.
-      With ``snapshot_cpu_tensors=False`` the tensors themselves are moved into
-      shared memory and the worker reads them live: no copy, but the caller must
-      not modify them until the call is finalized (fine for accelerator state,
-      whose staged host copies are private to the request). With the default
+    - The tensors a save writes (its staging step is a
+      :class:`~dist_checkpointing.engine.storage.write_workers.StageBuckets`) are
+      copied, when the request is scheduled, into the caller's
+      :class:`~.snapshot.SnapshotArena`: shared memory (pinned when CUDA is
+      available) that is reused by later saves and that the worker maps once.
+      Accelerator tensors are always copied (device to host, the blocking part);
+      CPU tensors too, so that the checkpoint holds the values at scheduling time
+      even if training updates the tensors in place right after (the temporal
+      caller gets the same guarantee from fork's copy-on-write). The copy costs a
+      memcpy (~0.25 s for 512 MB here) while the caller is blocked, and the arena
+      holds one snapshot per save in flight, between saves too.
+      With ``snapshot_cpu_tensors=False`` CPU tensors are not copied: they are
+      moved into shared memory and the worker reads them live, so the caller must
+      not modify them until the call is finalized. With the default
       ``file_descriptor`` sharing strategy each shared storage holds a file
       descriptor until the call ends, so prefer few large tensors.
-    - Other arguments (bytes, numpy arrays, ...) are copied.
+    - Other CPU tensors in the arguments are copied into fresh shared memory
+      (unless ``snapshot_cpu_tensors=False``); other arguments are pickled.
 
     Call sequence: see :class:`AsyncCaller`. A result pipe carries each call's
     outcome (``None`` or the traceback text) back; a worker that dies fails all
@@ -106,6 +87,9 @@ class PersistentAsyncCaller(AsyncCaller):
     ) -> None:
         super().__init__(process_group)
         self.snapshot_cpu_tensors = snapshot_cpu_tensors
+        self.arena = SnapshotArena()
+        self._sent: set[str] = set()  # arena segments the current worker has mapped
+        self._leases: dict[int, str | None] = {}  # ticket -> arena segment it uses
         self.process: _Worker | None = None
         self._exit_hook: Callable[[], None] | None = None
         self._next_ticket = 0
@@ -125,7 +109,7 @@ class PersistentAsyncCaller(AsyncCaller):
         call_idx = async_req.call_idx
         self._pending.append((ticket, call_idx))
         try:
-            args = async_req.staged_args()
+            args = self._stage(ticket, async_req)
         except Exception:
             self._fail(ticket, call_idx, format_current_exception("preload_fn raised"))
             return
@@ -142,10 +126,22 @@ class PersistentAsyncCaller(AsyncCaller):
             )
             return
         try:
+            self._ensure_worker()  # first: a new worker has mapped no arena segment yet
+            assert self.process is not None
+        except Exception:
+            self._fail(
+                ticket, call_idx, format_current_exception("could not reach the persistent worker")
+            )
+            return
+        try:
             # Pickled here, not in the queue's feeder thread, so that what the
             # worker receives is fixed when this call returns.
-            pickler = _SnapshotPickler if self.snapshot_cpu_tensors else ForkingPickler
-            payload = bytes(pickler.dumps((async_req.async_fn, args, async_req.async_fn_kwargs)))
+            payload, delivered = ArenaPickler.request_bytes(
+                (async_req.async_fn, args, async_req.async_fn_kwargs),
+                self.arena,
+                self._sent,
+                self.snapshot_cpu_tensors,
+            )
         except Exception:
             self._fail(
                 ticket,
@@ -157,20 +153,28 @@ class PersistentAsyncCaller(AsyncCaller):
             )
             return
         try:
-            self._ensure_worker()
-            assert self.process is not None
             self.process.send_request(ticket, payload)
         except Exception:
             self._fail(
                 ticket, call_idx, format_current_exception("could not reach the persistent worker")
             )
             return
+        delivered()
         logger.debug(
             "rank %d: call %d sent to worker %d",
             _global_rank(),
             call_idx,
             self.process.pid if self.process is not None else -1,
         )
+
+    def _stage(self, ticket: int, async_req: AsyncRequest) -> tuple[Any, ...]:
+        """Run the request's staging step: a save's buckets go into the arena."""
+        stage = async_req.preload_fn
+        if not isinstance(stage, StageBuckets) or len(async_req.async_fn_args) < 2:
+            return async_req.staged_args()
+        self._leases[ticket] = self.arena.stage(stage.buckets, self.snapshot_cpu_tensors)
+        args = async_req.async_fn_args
+        return (args[0], stage.buckets, *args[2:])
 
     def _fail(self, ticket: int, call_idx: int, error: str) -> None:
         logger.error("rank %d: async call %d failed: %s", _global_rank(), call_idx, error)
@@ -184,6 +188,8 @@ class PersistentAsyncCaller(AsyncCaller):
     def _ensure_worker(self) -> None:
         self._check_worker()
         if self.process is None:
+            self._sent.clear()  # a new worker has mapped nothing
+            self.arena.retired.clear()
             self.process = _Worker.start()
             # Best effort for a caller that never calls close(): at interpreter exit
             # let the worker finish what it holds and stop.
@@ -234,6 +240,7 @@ class PersistentAsyncCaller(AsyncCaller):
         if self._pending:
             ticket, _ = self._pending.popleft()
             self._known.pop(ticket, None)
+            self.arena.release(self._leases.pop(ticket, None))
 
     def _release_worker(self, abort: bool) -> None:
         if self._exit_hook is not None:
@@ -255,6 +262,8 @@ class PersistentAsyncCaller(AsyncCaller):
         self._release_worker(abort)
         self._pending.clear()
         self._known.clear()
+        self._leases.clear()
+        self.arena.close()  # the worker is gone: nothing maps the segments any more
 
 
 _FEEDER_EXIT = object()

@@ -13,8 +13,9 @@ Two kinds of background process (:class:`AsyncCaller`) are available:
   memory taken when the request is scheduled.
 - :class:`PersistentAsyncCaller` keeps one long-lived worker process per rank and
   ships each request to it by pickling. There is no fork cost per checkpoint,
-  but ``async_fn`` must be picklable (a module-level function) and CPU tensors in
-  the arguments are *shared* with the worker, not copied (see its docstring).
+  but ``async_fn`` must be picklable (a module-level function); a save's tensors
+  are staged into the caller's reusable snapshot arena, which the worker maps once
+  (see its docstring).
 
 Failures never hang: a request whose ``async_fn`` raised, or whose process died,
 becomes a :class:`~dist_checkpointing.errors.CheckpointWriteError` raised on every

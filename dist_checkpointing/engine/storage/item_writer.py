@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import zlib
+from collections.abc import Iterable
 from typing import BinaryIO
 
 import torch
@@ -93,6 +94,52 @@ def _write_with_parallel_crc(stream: BinaryIO, data: memoryview | bytes) -> int:
     finally:
         worker.join()
     return result[0]
+
+
+def can_stream(t: torch.Tensor) -> bool:
+    """Whether :func:`write_tensor_streamed` can write ``t`` (on any device): a plain
+    contiguous tensor (a view of a larger storage is fine: its bytes are written as
+    ``t.cpu()`` would hold them)."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.requires_grad
+        and t.is_contiguous()
+        and t.nbytes <= _MAX_FAST_BYTES
+        and not t.is_conj()
+        and not t.is_neg()
+        and fast_path_supported(t.dtype, torch.serialization.get_crc32_options())
+    )
+
+
+def write_tensor_streamed(
+    stream: BinaryIO, tensor: torch.Tensor, pieces: Iterable[memoryview | bytes]
+) -> int:
+    """Like :func:`write_tensor`, with the tensor's bytes taken from ``pieces``.
+
+    ``tensor`` (on any device, :func:`can_stream` true) gives the shape, dtype and
+    size; ``pieces`` are its bytes in order, e.g. staged chunks of an accelerator
+    tensor (:class:`~.staging_pool.CopyAhead`). The bytes equal those of
+    ``torch.save(tensor.cpu())``.
+    """
+    compute_crc = torch.serialization.get_crc32_options()
+    nbytes = tensor.numel() * tensor.element_size()
+    pickled = _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+    template = _template(pickled, nbytes, compute_crc)
+    stream.write(template.head)
+    crc = written = 0
+    for piece in pieces:
+        for start in range(0, len(piece), _CACHE_CHUNK_BYTES):
+            part = piece[start : start + _CACHE_CHUNK_BYTES]
+            if compute_crc:
+                crc = zlib.crc32(part, crc)
+            stream.write(part)
+        written += len(piece)
+    if written != nbytes:
+        raise ValueError(f"staged {written} bytes of a tensor of {nbytes} bytes")
+    tail = template.tail(crc)
+    stream.write(tail)
+    return len(template.head) + nbytes + len(tail)
 
 
 def serialize_tensor(tensor: torch.Tensor) -> bytes:

@@ -42,6 +42,7 @@ from .item_reader import TensorRecord, parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
 from .resolve import is_url
+from .staging_pool import fill_from_host, shared_pool
 
 logger = logging.getLogger(__name__)
 
@@ -357,6 +358,11 @@ def _copy_region(
     if span == numel:  # the region is one contiguous byte range
         if target.is_cpu and target.dtype == rec.dtype and target.is_contiguous():
             item.read_into_tensor(start, target)
+            return
+        pool = None if target.is_cpu else shared_pool()
+        if pool is not None and target.dtype == rec.dtype and target.is_contiguous():
+            # An accelerator target: through the staging pool, a buffer at a time.
+            fill_from_host(target, lambda at, host: item.read_into_tensor(start + at, host), pool)
             return
         staging = torch.empty(lengths, dtype=rec.dtype)
         item.read_into_tensor(start, staging)

@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._torch_compat import StorageInfo
 from ..process import child_context, describe_exit, gc_paused, traceback_text
-from . import item_writer
 from .base import FileSystemIO
 from .checksums import ChecksumStream, ItemChecksum
 from .resolve import filesystem_for
+from .staging_pool import TensorItemWriter
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +96,37 @@ def stage_buckets_to_host(buckets: list[WriteBucket]) -> list[WriteBucket]:
     return buckets
 
 
+@dataclass(frozen=True)
+class StageBuckets:
+    """The staging step of a save (an ``AsyncRequest``'s ``preload_fn``; picklable).
+
+    Called, it copies the accelerator tensors of ``buckets`` to host memory
+    (:func:`stage_buckets_to_host`) and returns ``buckets``. With ``deferred`` (a
+    synchronous save with a copy-ahead budget) it does nothing: the writer threads
+    stream those tensors through the staging pool instead. An async caller that
+    keeps its own snapshot memory stages ``buckets`` itself
+    (:meth:`~dist_checkpointing.engine.async_save.snapshot.SnapshotArena.stage`).
+    """
+
+    buckets: list[WriteBucket]
+    deferred: bool = False
+
+    def __call__(self) -> list[WriteBucket]:
+        if self.deferred:
+            return self.buckets
+        return stage_buckets_to_host(self.buckets)
+
+
 # --------------------------------------------------------------------------- writing
 
 
 def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -> list[WriteResult]:
     """Write one bucket's items to its file; return one WriteResult per item.
 
-    Bytes items come first, then tensors; accelerator tensors are copied to the host
-    one at a time. Raises ``OSError`` on I/O failure.
+    Bytes items come first, then tensors. Accelerator tensors still on their device
+    (a synchronous save) stream through this process's staging pool
+    (:mod:`.staging_pool`): at most ``COPY_AHEAD_BYTES`` of host memory, the copy of
+    the next chunk overlapping the write of this one. Raises ``OSError`` on I/O failure.
     """
     results: list[WriteResult] = []
     with fs.open_write(bucket.path) as raw:
@@ -115,15 +138,17 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
             length = stream.write(data.getbuffer())
             results.append(_result(item, bucket.relative_path, offset, length, stream.end_item()))
             offset += length
-        for item, tensor in bucket.tensor_items:
-            if not tensor.is_cpu:
-                # Unstaged (synchronous path): one copy at a time bounds host memory.
-                # Never happens in forked workers: the async path stages first.
-                tensor = tensor.cpu()
-            stream.begin_item()
-            length = item_writer.write_tensor(stream, tensor)  # type: ignore[arg-type]
-            results.append(_result(item, bucket.relative_path, offset, length, stream.end_item()))
-            offset += length
+        staged = TensorItemWriter(bucket.tensor_items)
+        try:
+            for i, (item, tensor) in enumerate(bucket.tensor_items):
+                stream.begin_item()
+                length = staged.write(stream, i, tensor)
+                results.append(
+                    _result(item, bucket.relative_path, offset, length, stream.end_item())
+                )
+                offset += length
+        finally:
+            staged.close()
         if sync_files:
             fs.fsync(raw)
     return results
@@ -417,6 +442,7 @@ class FileResultsQueue:
 __all__ = [
     "FileResultsQueue",
     "ResultsQueue",
+    "StageBuckets",
     "WriteBucket",
     "WriteOutcome",
     "stage_buckets_to_host",

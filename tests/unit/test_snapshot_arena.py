@@ -1,0 +1,118 @@
+"""The snapshot arena of the persistent async caller, on CPU: staging into reused
+segments, and requests that carry each segment once."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from dist_checkpointing.engine.async_save.snapshot import (
+    ArenaPickler,
+    SnapshotArena,
+    mapped_segments,
+)
+from dist_checkpointing.engine.storage.resolve import filesystem_for
+from dist_checkpointing.engine.storage.write_workers import WriteBucket, write_bucket_file
+
+
+def _bucket(path: str, tensors: dict[str, torch.Tensor]) -> WriteBucket:
+    bucket = WriteBucket(path, path.rsplit("/", 1)[-1])
+    for key, t in tensors.items():
+        item = WriteItem(MetadataIndex(key), WriteItemType.TENSOR)
+        bucket.tensor_items.append((item, t))
+    return bucket
+
+
+def _state(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {
+        "a": torch.arange(1000, dtype=torch.float32) * scale,
+        "b": torch.ones(3, 5, dtype=torch.bfloat16) * scale,
+        "c": torch.arange(7, dtype=torch.int64),
+    }
+
+
+def test_staged_tensors_are_snapshots_in_one_segment() -> None:
+    arena = SnapshotArena(pinned=False)
+    state = _state()
+    bucket = _bucket("/x/f", state)
+    key = arena.stage([bucket], copy_cpu=True)
+    assert key is not None and len(arena.segments) == 1
+    for (_, staged), (name, original) in zip(bucket.tensor_items, state.items()):
+        assert arena.locate(staged) is not None, name
+        assert torch.equal(staged, original)
+        original.add_(1)  # training goes on: the snapshot keeps the old values
+        assert not torch.equal(staged, original)
+    arena.close()
+
+
+def test_cpu_tensors_are_left_alone_without_copy_cpu() -> None:
+    arena = SnapshotArena(pinned=False)
+    state = _state()
+    bucket = _bucket("/x/f", state)
+    assert arena.stage([bucket], copy_cpu=False) is None
+    assert all(t is state[k] for (_, t), k in zip(bucket.tensor_items, state))
+    assert not arena.segments
+
+
+def test_a_released_segment_is_reused_and_a_busy_one_is_not() -> None:
+    arena = SnapshotArena(pinned=False)
+    first = arena.stage([_bucket("/x/f", _state())], copy_cpu=True)
+    second = arena.stage([_bucket("/x/f", _state())], copy_cpu=True)  # first still busy
+    assert first != second and arena.stats["allocated"] == 2
+    arena.release(first)
+    arena.release(second)
+    for _ in range(3):
+        arena.release(arena.stage([_bucket("/x/f", _state())], copy_cpu=True))
+    assert arena.stats["allocated"] == 2 and arena.stats["reused"] == 3
+    bigger = {"big": torch.zeros(10_000)}
+    arena.stage([_bucket("/x/f", bigger)], copy_cpu=True)  # no free one fits: both go
+    assert arena.stats["allocated"] == 3 and len(arena.segments) == 1
+    assert set(arena.retired) == {first, second}
+    arena.close()
+
+
+def test_a_request_carries_each_segment_once() -> None:
+    arena = SnapshotArena(pinned=False)
+    sent: set[str] = set()
+    sizes = []
+    for scale in (1.0, 2.0, 3.0):
+        bucket = _bucket("/x/f", _state(scale))
+        key = arena.stage([bucket], copy_cpu=True)
+        payload, delivered = ArenaPickler.request_bytes(("fn", [bucket]), arena, sent, True)
+        delivered()
+        assert key in sent
+        sizes.append(len(payload))
+        _, (received,) = pickle.loads(payload)  # what the worker does
+        for (_, got), (_, want) in zip(received.tensor_items, _state(scale).items()):
+            assert torch.equal(got, want)
+        assert key in mapped_segments()
+        arena.release(key)
+    assert sizes[1] == sizes[2]  # later requests: offsets only
+    assert arena.stats["allocated"] == 1
+    arena.close()
+
+
+def test_other_cpu_tensors_are_still_snapshotted() -> None:
+    arena = SnapshotArena(pinned=False)
+    live = torch.zeros(10)
+    payload, _ = ArenaPickler.request_bytes(live, arena, set(), True)
+    live.fill_(5)
+    assert torch.equal(pickle.loads(payload), torch.zeros(10))
+
+
+def test_a_staged_bucket_is_written_with_only_its_own_bytes(tmp_path: Path) -> None:
+    """Views of a segment are written like compact tensors, not the whole segment."""
+    state = _state()
+    staged = _bucket(str(tmp_path / "staged"), dict(state))
+    plain = _bucket(str(tmp_path / "plain"), {k: v.clone() for k, v in state.items()})
+    arena = SnapshotArena(pinned=False)
+    arena.stage([staged], copy_cpu=True)
+    fs = filesystem_for(str(tmp_path))
+    write_bucket_file(staged, fs, sync_files=False)
+    write_bucket_file(plain, fs, sync_files=False)
+    assert (tmp_path / "staged").read_bytes() == (tmp_path / "plain").read_bytes()
+    arena.close()
