@@ -8,31 +8,40 @@ port of 127.0.0.1 in its own process, and stops it at the end. Every rank uses a
 (a config file written by rank 0, named by ``MSC_CONFIG``) at that endpoint.
 
 The state: ``--size-mib`` MiB in total, 16 float32 tensors sharded over the ranks on axis 0.
-Methods, each timed barrier to barrier (slowest rank), best of ``--repeat``:
+Methods, each timed barrier to barrier (slowest rank); the median of ``--repeat`` runs,
+interleaved (raw, msc, raw, msc, ...) so that both see the same server and machine load:
 
-- ``msc``: ``dist_checkpointing.save`` / ``load`` to ``msc://bench/<prefix>``;
-- ``local``: the same checkpoint on local disk (a temporary directory);
-- ``raw``: the same bytes by the same ranks with boto3: ``put_object`` of this rank's bytes in
-  as many objects as we write data files (one thread each), and ranged ``get_object`` of them
-  back into a preallocated buffer.
+- ``msc``: ``dist_checkpointing.save`` / ``load`` to ``msc://bench/<prefix>`` (default knobs);
+- ``raw``: the same bytes by the same ranks with boto3, the same work as ``msc``'s data
+  files: ``put_object`` of this rank's bytes in as many objects as we write data files
+  (one thread each, as our writer threads), and a ranged ``get_object`` of each object
+  (``bytes=0-<size-1>``, one thread each) into a preallocated buffer;
+- ``raw-whole``: the same download as plain ``get_object`` (no ``Range``), to show what a
+  ranged GET costs the server;
+- ``local``: the same checkpoint on local disk (a temporary directory).
 
-Printed: the throughputs and the ratios msc/raw (target: at least 80% for save and load) and
-msc/local.
+Printed: the times, the ratios msc/raw (target: at least 80% for save and load) and
+msc/local, and the requests each method sent (summed over ranks, by S3 operation; counted
+by wrapping botocore's API call method in each rank).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -61,13 +70,46 @@ def sharded(local: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
     }
 
 
-def best_of(repeat: int, phase: Callable[[int], None]) -> Measurement:
-    runs = []
-    for i in range(repeat):
-        with measured() as m:
-            phase(i)
-        runs.append(m[0])
-    return min(runs, key=lambda m: m.seconds)
+# ----------------------------------------------------------------------------- requests
+
+
+class RequestCounter:
+    """Counts this rank's S3 requests by operation (every botocore client of the process)."""
+
+    def __init__(self) -> None:
+        import botocore.client
+
+        self.counts: collections.Counter[str] = collections.Counter()
+        lock = threading.Lock()
+        original = botocore.client.BaseClient._make_api_call
+        counts = self.counts
+
+        def counting(client: Any, operation: str, params: Any) -> Any:
+            with lock:
+                counts[operation] += 1
+            return original(client, operation, params)
+
+        botocore.client.BaseClient._make_api_call = counting  # type: ignore[method-assign]
+
+    @contextmanager
+    def phase(self, into: dict[str, collections.Counter[str]], op: str) -> Iterator[None]:
+        """Count the requests of one timed phase (all ranks), into ``into[op]``."""
+        self.counts.clear()
+        yield
+        gathered: list[Any] = [None] * world()
+        dist.all_gather_object(gathered, dict(self.counts))
+        into[op] = sum((collections.Counter(g) for g in gathered), collections.Counter())
+
+
+COUNTER: RequestCounter | None = None
+Counts = dict[str, dict[str, collections.Counter[str]]]  # method -> op -> operation counts
+
+
+def timed(method: str, op: str, counts: Counts, fn: Callable[[], None]) -> Measurement:
+    assert COUNTER is not None
+    with COUNTER.phase(counts.setdefault(method, {}), op), measured() as m:
+        fn()
+    return m[0]
 
 
 # ----------------------------------------------------------------------------- endpoint
@@ -108,38 +150,14 @@ def s3_client(endpoint: str) -> Any:
 def msc_config(endpoint: str, bucket: str) -> dict[str, Any]:
     options = {"base_path": bucket, "endpoint_url": endpoint, "region_name": REGION}
     creds = {"access_key": KEYS["aws_access_key_id"], "secret_key": KEYS["aws_secret_access_key"]}
-    # "bench-whole": single-PUT uploads up to 1 GiB (the raw baseline's request pattern).
-    whole = {**options, "multipart_threshold": 1 << 30}
     return {
         "profiles": {
-            name: {
-                "storage_provider": {"type": "s3", "options": opts},
+            "bench": {
+                "storage_provider": {"type": "s3", "options": options},
                 "credentials_provider": {"type": "S3Credentials", "options": creds},
             }
-            for name, opts in (("bench", options), ("bench-whole", whole))
         }
     }
-
-
-# The "msc-whole" run: one request per data file, as the raw baseline (knobs read at use).
-WHOLE_FILE_KNOBS = {
-    "DIST_CKPT_MSC_WRITE_SPOOL_BYTES": str(1 << 30),
-    "DIST_CKPT_MSC_READ_WINDOW_BYTES": str(1 << 30),
-    "DIST_CKPT_MSC_READ_CHUNK_BYTES": str(1 << 30),
-}
-
-
-def measure_whole(local: dict[str, torch.Tensor], i: int) -> dict[str, Measurement]:
-    saved = {k: os.environ.get(k) for k in WHOLE_FILE_KNOBS}
-    os.environ.update(WHOLE_FILE_KNOBS)
-    try:
-        return measure_ours(local, 1, lambda _: f"msc://bench-whole/whole_{i}")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def setup_endpoint(args: argparse.Namespace, workdir: str) -> tuple[Any, str, str]:
@@ -173,75 +191,99 @@ def _in_threads(fn: Callable[[int], None], n: int) -> None:
         list(pool.map(fn, range(n)))
 
 
-def _best(runs: list[dict[str, Measurement]]) -> dict[str, Measurement]:
-    return {op: min((r[op] for r in runs), key=lambda m: m.seconds) for op in runs[0]}
-
-
 def measure_raw(
-    client: Any, bucket: str, blob: bytearray, repeat: int, prefix: str = "raw"
-) -> dict[str, Measurement]:
+    client: Any, bucket: str, blob: bytearray, prefix: str, counts: Counts
+) -> dict[str, dict[str, Measurement]]:
+    """``raw`` (put, ranged get) and ``raw-whole`` (plain get) of this rank's bytes."""
     # One bytearray per object, built outside the timed region (boto3 takes no memoryview).
     per = -(-len(blob) // THREAD_COUNT)
     parts = [bytearray(blob[i * per : (i + 1) * per]) for i in range(THREAD_COUNT)]
     views = [memoryview(p) for p in parts]
 
-    def key(i: int, part: int) -> str:
-        return f"{prefix}/{i}/{rank()}_{part}.bin"
+    def key(part: int) -> str:
+        return f"{prefix}/{rank()}_{part}.bin"
 
-    def put(i: int) -> None:
+    def put() -> None:
         _in_threads(
-            lambda p: client.put_object(Bucket=bucket, Key=key(i, p), Body=parts[p]),
-            THREAD_COUNT,
+            lambda p: client.put_object(Bucket=bucket, Key=key(p), Body=parts[p]), THREAD_COUNT
         )
 
-    def get(i: int) -> None:
+    def get(ranged: bool) -> None:
         def one(p: int) -> None:
             n = len(parts[p])
-            resp = client.get_object(Bucket=bucket, Key=key(i, p), Range=f"bytes=0-{n - 1}")
-            body, done = resp["Body"], 0
+            extra = {"Range": f"bytes=0-{n - 1}"} if ranged else {}
+            body, done = client.get_object(Bucket=bucket, Key=key(p), **extra)["Body"], 0
             while done < n:
                 chunk = body.read(min(8 << 20, n - done))
                 if not chunk:
-                    raise RuntimeError("short ranged get")
+                    raise RuntimeError("short get")
                 views[p][done : done + len(chunk)] = chunk
                 done += len(chunk)
 
         _in_threads(one, THREAD_COUNT)
 
-    return {"save": best_of(repeat, put), "load": best_of(repeat, get)}
+    return {
+        "raw": {
+            "save": timed("raw", "save", counts, put),
+            "load": timed("raw", "load", counts, lambda: get(True)),
+        },
+        "raw-whole": {"load": timed("raw-whole", "load", counts, lambda: get(False))},
+    }
 
 
 def measure_ours(
-    local: dict[str, torch.Tensor], repeat: int, path: Callable[[int], str]
+    method: str, local: dict[str, torch.Tensor], path: str, counts: Counts
 ) -> dict[str, Measurement]:
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=THREAD_COUNT)
-    save = best_of(repeat, lambda i: dc.save(sharded(local), path(i), sharded_strategy=strategy))
-    request = sharded({k: torch.empty_like(t) for k, t in local.items()})
-    load = best_of(repeat, lambda i: dc.load(request, path(i)))
-    loaded = dc.load(request, path(0))
-    bad = [k for k, t in local.items() if not torch.equal(loaded[k], t)]
+    save = timed(
+        method, "save", counts, lambda: dc.save(sharded(local), path, sharded_strategy=strategy)
+    )
+    # Targets already in memory (as a model's parameters are, and as the raw baseline's buffer is).
+    request = sharded({k: torch.zeros_like(t) for k, t in local.items()})
+    loaded: list[Any] = []
+    load = timed(method, "load", counts, lambda: loaded.append(dc.load(request, path)))
+    bad = [k for k, t in local.items() if not torch.equal(loaded[0][k], t)]
     if bad:
         raise RuntimeError(f"rank {rank()}: loaded values differ for {bad[:5]}")
     return {"save": save, "load": load}
 
 
-def report(nbytes: int, r: dict[str, dict[str, Measurement]], repeat: int) -> None:
+def _median(runs: list[dict[str, dict[str, Measurement]]]) -> dict[str, dict[str, Measurement]]:
+    out: dict[str, dict[str, Measurement]] = {}
+    for method in runs[0]:
+        out[method] = {}
+        for op in runs[0][method]:
+            ms = sorted((r[method][op] for r in runs), key=lambda m: m.seconds)
+            mid = statistics.median_low([m.seconds for m in ms])
+            out[method][op] = next(m for m in ms if m.seconds == mid)
+    return out
+
+
+def report(nbytes: int, r: dict[str, dict[str, Measurement]], counts: Counts, repeat: int) -> None:
     log(
         f"\n== object storage: {fmt_mib(nbytes).strip()} in total, {world()} ranks, "
-        f"{THREAD_COUNT} files per rank, best of {repeat} =="
+        f"{THREAD_COUNT} files per rank, median of {repeat} =="
     )
     log_table(nbytes, r, width=9)
-    for method in ("msc", "msc-whole"):
-        for op in ("save", "load"):
-            msc, raw, disk = r[method][op], r["raw"][op], r["local"][op]
-            log(
-                f"{op}: {method} at {100 * raw.seconds / msc.seconds:5.1f}% of raw boto3 "
-                f"throughput; {100 * disk.seconds / msc.seconds:5.1f}% of the local-disk "
-                f"checkpoint's"
-            )
+    for op in ("save", "load"):
+        msc, raw, disk = r["msc"][op], r["raw"][op], r["local"][op]
+        log(
+            f"{op}: msc at {100 * raw.seconds / msc.seconds:5.1f}% of raw boto3 throughput; "
+            f"{100 * disk.seconds / msc.seconds:5.1f}% of the local-disk checkpoint's"
+        )
+    log(
+        f"load: raw ranged GET at {100 * r['raw-whole']['load'].seconds / r['raw']['load'].seconds:5.1f}% "
+        "of raw whole-object GET throughput"
+    )
+    log("requests (all ranks, one run):")
+    for method, ops in counts.items():
+        for op, c in ops.items():
+            detail = ", ".join(f"{k} {v}" for k, v in sorted(c.items(), key=lambda kv: -kv[1]))
+            log(f"  {method:9} {op:5} {sum(c.values()):4}  {detail}")
 
 
 def main() -> None:
+    global COUNTER
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
@@ -249,6 +291,7 @@ def main() -> None:
     parser.add_argument("--bucket", default=None, help="an existing bucket at --endpoint")
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    COUNTER = RequestCounter()
     workdir = tempfile.mkdtemp(prefix="dist_ckpt_bench_os_") if rank() == 0 else ""
     holder = [workdir]
     dist.broadcast_object_list(holder, src=0)
@@ -258,22 +301,21 @@ def main() -> None:
         local = make_state(args.size_mib)
         total = torch.tensor([sum(t.nbytes for t in local.values())], dtype=torch.int64)
         dist.all_reduce(total)
-        # Interleaved (raw, msc, raw, msc, ...) so that both see the same server state
-        # and load on a shared machine; the best of each is reported.
         client, blob = s3_client(endpoint), raw_blob(list(local.values()))
-        runs: dict[str, list[dict[str, Measurement]]] = {"raw": [], "msc": [], "msc-whole": []}
-        for i in range(args.repeat):
-            runs["raw"].append(measure_raw(client, bucket, blob, 1, f"raw{i}"))
-            runs["msc"].append(measure_ours(local, 1, lambda _, i=i: f"msc://bench/ckpt_{i}"))
-            runs["msc-whole"].append(measure_whole(local, i))
-        results = {m: _best(r) for m, r in runs.items()}
         disk = os.path.join(workdir, "disk")
         if rank() == 0:
             for i in range(args.repeat):
                 os.makedirs(f"{disk}_{i}")
         dist.barrier()
-        results["local"] = measure_ours(local, args.repeat, lambda i: f"{disk}_{i}")
-        report(int(total), results, args.repeat)
+        runs, counts = [], {}
+        for i in range(args.repeat):
+            counts = {}
+            run = measure_raw(client, bucket, blob, f"raw{i}", counts)
+            run["msc"] = measure_ours("msc", local, f"msc://bench/ckpt_{i}", counts)
+            run["local"] = measure_ours("local", local, f"{disk}_{i}", counts)
+            runs.append(run)
+        counts.pop("local", None)
+        report(int(total), _median(runs), counts, args.repeat)
     finally:
         dist.barrier()
         if rank() == 0:

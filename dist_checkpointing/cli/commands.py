@@ -14,7 +14,14 @@ import torch
 
 from .. import serialization
 from ..errors import CheckpointingException
-from .source import Checkpoint, file_sizes, incomplete_reason, one_line, open_checkpoint
+from .source import (
+    Checkpoint,
+    file_sizes,
+    incomplete_reason,
+    is_checkpoint_dir,
+    one_line,
+    open_checkpoint,
+)
 from .ui import CliError, human_bytes, table
 
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
@@ -46,7 +53,7 @@ def _summary(ckpt: Checkpoint, pattern: str | None) -> dict[str, Any]:
 
 
 def _incomplete(path: str, as_json: bool) -> int:
-    if not os.path.isdir(path):
+    if not is_checkpoint_dir(path):
         raise CliError(f"{path}: not a directory")
     reason = incomplete_reason(path)
     if not reason or reason.startswith("not a checkpoint"):
@@ -60,7 +67,7 @@ def _incomplete(path: str, as_json: bool) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     path = os.fspath(args.dir)
-    if os.path.isdir(path) and incomplete_reason(path):
+    if is_checkpoint_dir(path) and incomplete_reason(path):
         return _incomplete(path, args.json)
     info = _summary(open_checkpoint(path), args.key)
     if args.json:

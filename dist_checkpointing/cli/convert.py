@@ -22,13 +22,20 @@ from typing import Any
 
 import torch
 
+from ..engine.storage.resolve import is_url
 from ..errors import CheckpointingException
 from . import safetensors_io
-from .source import Checkpoint, one_line, open_checkpoint
+from .source import Checkpoint, is_checkpoint_dir, one_line, open_checkpoint
 from .ui import CliError, human_bytes, parse_size, progress
 
 
-def _check_destination(dst: str, is_dir: bool) -> None:
+def _check_destination(dst: str, is_dir: bool, url_ok: bool = False) -> None:
+    if is_url(dst):  # msc://: a prefix, created by its first object
+        if not url_ok:
+            raise CliError(f"{dst}: this output is written to local files, not to a URL")
+        if is_checkpoint_dir(dst):
+            raise CliError(f"{dst}: destination directory is not empty")
+        return
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise CliError(f"{dst}: parent directory {parent} does not exist")
@@ -175,8 +182,9 @@ def _to_dist(args: argparse.Namespace) -> int:
         raise CliError(f"--ranks must be at least 1, got {args.ranks}")
     if kind == "torch":
         _open_torch_file(args.src)  # fail here, with one line, if it does not load
-    _check_destination(args.dst, is_dir=True)
-    os.makedirs(args.dst, exist_ok=True)
+    _check_destination(args.dst, is_dir=True, url_ok=True)
+    if not is_url(args.dst):
+        os.makedirs(args.dst, exist_ok=True)
     convert_to_dist(kind, args.src, args.dst, args.ranks, args.keys)
     print(f"wrote a sharded checkpoint for {args.ranks} rank(s) to {args.dst}")
     return 0

@@ -23,6 +23,7 @@ from .._torch_compat import METADATA_FILE_NAME
 from ..core import CheckpointingConfig, maybe_load_config
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.reader import FileSystemReader
+from ..engine.storage.resolve import is_url
 from ..errors import CheckpointingException
 from ..mapping import ShardedObject, ShardedTensor
 from ..strategies.common import COMMON_STATE_OBJECT_KEY
@@ -131,10 +132,20 @@ def _describe(metadata: Any, ckpt: Checkpoint) -> None:
     ckpt.objects.sort()
 
 
+def is_checkpoint_dir(path: str) -> bool:
+    """Whether ``path`` is a directory (an ``msc://`` URL: a prefix that holds objects)."""
+    if not is_url(path):
+        return os.path.isdir(path)
+    try:
+        return CheckpointDir.of(path).is_dir()
+    except (CheckpointingException, OSError) as e:
+        raise CliError(f"{path}: {one_line(e)}") from e
+
+
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open a complete checkpoint; :class:`CliError` (one line) otherwise."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
+    if not is_checkpoint_dir(path):
         raise CliError(f"{path}: not a directory")
     ckpt_dir = CheckpointDir.of(path)
     try:
@@ -153,7 +164,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 def incomplete_reason(path: str) -> str:
     """Why ``path`` is not a complete checkpoint (or "" if it has both markers)."""
-    names = set(os.listdir(path))
+    names = set(os.listdir(path) if not is_url(path) else CheckpointDir.of(path).listdir())
     has_data = any(n.endswith(".distcp") or n == "common.pt" for n in names)
     if CONFIG_FNAME not in names and METADATA_FILE_NAME not in names:
         if has_data:
@@ -166,6 +177,15 @@ def incomplete_reason(path: str) -> str:
 
 def file_sizes(path: str) -> dict[str, int]:
     """``{name: size}`` of the regular files directly in ``path``."""
+    if is_url(path):  # the objects of the prefix (their sizes came with the listing)
+        ckpt = CheckpointDir.of(path)
+        sizes = {}
+        for name in ckpt.listdir():
+            try:
+                sizes[name] = ckpt.size(name)
+            except (IsADirectoryError, FileNotFoundError):
+                continue  # a deeper prefix, not an object
+        return dict(sorted(sizes.items()))
     out = {}
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
@@ -182,6 +202,7 @@ def one_line(error: BaseException) -> str:
 
 __all__ = [
     "Checkpoint",
+    "is_checkpoint_dir",
     "TensorInfo",
     "file_sizes",
     "incomplete_reason",

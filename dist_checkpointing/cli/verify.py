@@ -29,7 +29,7 @@ from ..engine.storage.location import CheckpointDir
 from ..engine.storage.reader import FileSystemReader
 from ..errors import CheckpointingException
 from ..strategies.common import COMMON_STATE_OBJECT_KEY
-from .source import CONFIG_FNAME, file_sizes, one_line
+from .source import CONFIG_FNAME, file_sizes, is_checkpoint_dir, one_line
 from .ui import Progress
 
 _CHUNK = 8 << 20
@@ -119,7 +119,7 @@ def verify_checkpoint(path: str | os.PathLike[str], bar: Progress | None = None)
     """Check the checkpoint at ``path``; never raises for a bad checkpoint."""
     path = os.fspath(path)
     report = VerifyReport(path)
-    if not os.path.isdir(path):
+    if not is_checkpoint_dir(path):
         report.problems.append("not a directory")
         return report
     ckpt = CheckpointDir.of(path)

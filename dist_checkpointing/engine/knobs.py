@@ -25,11 +25,11 @@ SAVE_LOCK_STALE_S              3600.0     age after which another host's save lo
 WRITE_CHECKSUMS                1          checksum data items as they are written (0: off)
 ASYNC_WORKER_START_TIMEOUT_S   120.0      wait for the persistent worker to be ready
 ASYNC_WORKER_FORK              1          fork the persistent worker (0: a fresh interpreter)
-MSC_READ_THREADS               4          msc:// files read at once; GETs of one large read
-MSC_READ_WINDOW_BYTES          67108864   msc:// items up to this are fetched whole, together
-MSC_READ_CHUNK_BYTES           33554432   size of each ranged GET of a large msc:// read
+MSC_READ_THREADS               4          msc:// data files a rank reads at once
+MSC_READ_CHUNK_BYTES           67108864   most bytes one GET of an msc:// data file fetches
+MSC_READ_AHEAD                 1          GETs of one msc:// file in flight ahead of the reader
 MSC_PREFETCH_WHOLE_FILES       0          1: download whole msc:// data files, read locally
-MSC_WRITE_SPOOL_BYTES          67108864   msc:// upload buffer kept in memory (then on disk)
+MSC_WRITE_SPOOL_BYTES          268435456  msc:// upload kept in memory (one PUT; then on disk)
 MSC_ATTEMPTS                   3          tries of an msc:// request that failed to connect
 MSC_RETRY_DELAY_S              0.5        wait before the first retry (doubles each time)
 COPY_AHEAD_BYTES               268435456  host memory for staged copies of accelerator tensors
@@ -135,20 +135,18 @@ ASYNC_WORKER_FORK = Knob(
     "1: fork the persistent worker from the trainer (milliseconds); 0: start a fresh "
     "interpreter that imports torch (seconds)",
 )
-MSC_READ_THREADS = Knob(
-    "MSC_READ_THREADS", 4, 1, "msc:// files read at once, and ranged GETs of one large read"
-)
-MSC_READ_WINDOW_BYTES = Knob(
-    "MSC_READ_WINDOW_BYTES", 64 << 20, 1, "msc:// items up to this size are fetched whole"
-)
+MSC_READ_THREADS = Knob("MSC_READ_THREADS", 4, 1, "msc:// data files a rank reads at once")
 MSC_READ_CHUNK_BYTES = Knob(
-    "MSC_READ_CHUNK_BYTES", 32 << 20, 1, "size of each ranged GET of a large msc:// read"
+    "MSC_READ_CHUNK_BYTES", 64 << 20, 1, "most bytes one GET of an msc:// data file fetches"
+)
+MSC_READ_AHEAD = Knob(
+    "MSC_READ_AHEAD", 1, 0, "GETs of one msc:// data file in flight ahead of the reader"
 )
 MSC_PREFETCH_WHOLE_FILES = Knob(
     "MSC_PREFETCH_WHOLE_FILES", 0, 0, "1: download whole msc:// data files before reading"
 )
 MSC_WRITE_SPOOL_BYTES = Knob(
-    "MSC_WRITE_SPOOL_BYTES", 64 << 20, 0, "msc:// upload buffer kept in memory"
+    "MSC_WRITE_SPOOL_BYTES", 256 << 20, 0, "msc:// upload kept in memory (one PUT)"
 )
 MSC_ATTEMPTS = Knob("MSC_ATTEMPTS", 3, 1, "tries of an msc:// request that failed to connect")
 MSC_RETRY_DELAY_S = Knob("MSC_RETRY_DELAY_S", 0.5, 0.0, "seconds before the first msc:// retry")
@@ -181,8 +179,8 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     ASYNC_WORKER_START_TIMEOUT_S,
     ASYNC_WORKER_FORK,
     MSC_READ_THREADS,
-    MSC_READ_WINDOW_BYTES,
     MSC_READ_CHUNK_BYTES,
+    MSC_READ_AHEAD,
     MSC_PREFETCH_WHOLE_FILES,
     MSC_WRITE_SPOOL_BYTES,
     MSC_ATTEMPTS,
@@ -212,8 +210,8 @@ __all__ = [
     "ASYNC_WORKER_START_TIMEOUT_S",
     "ASYNC_WORKER_FORK",
     "MSC_READ_THREADS",
-    "MSC_READ_WINDOW_BYTES",
     "MSC_READ_CHUNK_BYTES",
+    "MSC_READ_AHEAD",
     "MSC_PREFETCH_WHOLE_FILES",
     "MSC_WRITE_SPOOL_BYTES",
     "MSC_ATTEMPTS",

@@ -134,7 +134,7 @@ def test_parallel_ranged_reads_and_prefetch(
     run_distributed(save_specs, 2, url, specs, timeout=120.0)
     monkeypatch.setenv("DIST_CKPT_MSC_READ_CHUNK_BYTES", "64")  # many ranged GETs per item
     monkeypatch.setenv("DIST_CKPT_MSC_READ_THREADS", "3")
-    monkeypatch.setenv("DIST_CKPT_MSC_READ_WINDOW_BYTES", "1")  # no windows: read in place
+    monkeypatch.setenv("DIST_CKPT_MSC_READ_AHEAD", "2")
     specs4 = _specs(4, (4, 1))
     assert loaded_mismatches(run_distributed(load_specs, 4, url, specs4), specs4) == []
     monkeypatch.setenv("DIST_CKPT_MSC_PREFETCH_WHOLE_FILES", "1")

@@ -38,6 +38,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ...errors import (
@@ -126,10 +127,10 @@ def begin(ckpt: CheckpointDir, group: RankGroup, owns_file: Callable[[str], bool
         try:
             lock.acquire(ckpt, save_id, session)
             try:
-                recover(ckpt, owns_file)
+                _, names = _recover(ckpt, owns_file)
                 # Data files need names of their own only where they could collide
                 # with a checkpoint's (a fresh directory keeps Megatron-Core's names).
-                if any(owns_file(n) for n in ckpt.listdir()):
+                if any(owns_file(n) for n in names):
                     session.data_tag = session.tag
             except BaseException:
                 lock.release(ckpt, save_id)
@@ -202,7 +203,8 @@ def _write_record_and_install(ckpt: CheckpointDir, session: SaveSession, world: 
     _install(ckpt, record)
     for key in (COMMIT_RECORD, *record.files):
         ckpt.forget(key)
-    cleanup(ckpt, record, session.owns_file)
+    if session.data_tag:  # a fresh directory held nothing of ours: nothing to clean up
+        cleanup(ckpt, record, session.owns_file)
 
 
 def _write_record(ckpt: CheckpointDir, record: CommitRecord) -> None:
@@ -212,10 +214,21 @@ def _write_record(ckpt: CheckpointDir, record: CommitRecord) -> None:
 def _install(ckpt: CheckpointDir, record: CommitRecord) -> None:
     """Rename the record's staged files to their final names, then rewrite it without
     its install list (idempotent: an install cut short is redone)."""
-    for final, staged in record.install.items():
+
+    def install(pair: tuple[str, str]) -> None:
+        final, staged = pair
         src = ckpt.fs.join(ckpt.root, staged)
         if ckpt.fs.exists(src):
             ckpt.fs.rename(src, ckpt.fs.join(ckpt.root, final))
+
+    pairs = list(record.install.items())
+    threads = min(len(pairs), ckpt.fs.parallel_reads())
+    if threads > 1:  # object stores: each rename is requests, overlap them
+        with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-install") as pool:
+            list(pool.map(install, pairs))
+    else:
+        for pair in pairs:
+            install(pair)
     record.install = {}
     _write_record(ckpt, record)
 
@@ -234,19 +247,27 @@ def recover(ckpt: CheckpointDir, owns_file: Callable[[str], bool]) -> CommitReco
     """(C, under the lock) Finish an interrupted commit, then delete leftovers:
     staged files and data files that the committed checkpoint does not name.
     Returns the committed record (None: the checkpoint has none)."""
+    return _recover(ckpt, owns_file)[0]
+
+
+def _recover(
+    ckpt: CheckpointDir, owns_file: Callable[[str], bool]
+) -> tuple[CommitRecord | None, list[str]]:
+    """:func:`recover`; also the names the directory holds afterwards."""
     record = read_record(ckpt)
     if record is not None and record.install:
         logger.warning("%s: finishing the interrupted commit of save %s", ckpt, record.save_id)
         _install(ckpt, record)
-    cleanup(ckpt, record, owns_file)
-    return record
+    return record, cleanup(ckpt, record, owns_file)
 
 
 def cleanup(
     ckpt: CheckpointDir, record: CommitRecord | None, owns_file: Callable[[str], bool]
-) -> None:
-    """Delete the files of ours that the committed checkpoint does not use."""
+) -> list[str]:
+    """Delete the files of ours that the committed checkpoint does not use; return the
+    names left."""
     keep = record.names() if record is not None else None
+    left = []
     for name in ckpt.listdir():
         leftover = name.endswith(PENDING_SUFFIX) or name.endswith(".tmp") and owns_file(name[:-4])
         if not leftover and keep is not None and owns_file(name):
@@ -256,6 +277,9 @@ def cleanup(
         if leftover:
             logger.info("%s: removing %s (not part of the committed checkpoint)", ckpt, name)
             _remove_quietly(ckpt, name)
+        else:
+            left.append(name)
+    return left
 
 
 def is_protocol_file(name: str) -> bool:

@@ -8,6 +8,7 @@ once per checkpoint location (see :mod:`.resolve`), so that another backend
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, BinaryIO, Protocol
 
@@ -69,6 +70,12 @@ class FileSystemIO(ABC):
     @abstractmethod
     def open_read(self, path: str) -> ReadStream:
         """Open ``path`` for reading with ``seek``/``readinto``; the caller closes it."""
+
+    def open_data(self, path: str, spans: Sequence[tuple[int, int]]) -> ReadStream:
+        """Open data file ``path`` for reading ``spans`` (``(offset, length)``, in the
+        order they will be read); other bytes may be read too. Object stores fetch the
+        spans ahead of the reader; the default is :meth:`open_read`."""
+        return self.open_read(path)
 
     def read_whole(self, path: str) -> bytes:
         """The whole content of file ``path`` (object stores: one GET)."""

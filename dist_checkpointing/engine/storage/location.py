@@ -150,9 +150,13 @@ class CheckpointDir:
         """
         return self.fs.open_read(self.path(name))
 
-    def open_data_file(self, name: str, holds: Sequence[str]) -> tuple[ReadStream, int]:
+    def open_data_file(
+        self, name: str, holds: Sequence[str], spans: Sequence[tuple[int, int]] = ()
+    ) -> tuple[ReadStream, int]:
         """Open data file ``name`` (checked by :meth:`entry`) and return it with its
-        size (of the file opened, not of whatever has its name now).
+        size (of the file opened, not of whatever has its name now). ``spans`` are the
+        ``(offset, length)`` ranges about to be read, in order (see
+        :meth:`FileSystemIO.open_data`).
 
         Raises:
             CorruptCheckpointError: the file is missing (the message names the items
@@ -160,7 +164,7 @@ class CheckpointDir:
             UnsafeCheckpointError: it is not a regular file.
         """
         try:
-            stream = self.open_read(name)
+            stream = self.fs.open_data(self.path(name), spans)
         except FileNotFoundError:
             shown = ", ".join(repr(k) for k in holds[:10])
             raise CorruptCheckpointError(

@@ -1,110 +1,50 @@
 """The object-storage backend: ``msc://profile/path`` through multi-storage-client.
 
-Paths are full URLs; each operation resolves its URL with
-``multistorageclient.resolve_storage_client`` (MSC caches one client per
-profile and rebuilds its cache after a fork, so forked writer workers resolve
-URLs themselves). Profiles come from MSC's configuration file (``MSC_CONFIG``
-or its default locations).
+Paths are full URLs; each request goes through :func:`.msc_client.call` (one client
+per profile, cached by MSC and rebuilt after a fork, so forked writer workers
+resolve URLs themselves; errors name the URL). Profiles come from MSC's
+configuration file (``MSC_CONFIG`` or its default locations).
 
 Semantics on an object store:
 
-- there are no directories: a "directory" is a key prefix that exists while
-  it holds objects; :meth:`MscFileSystem.makedirs` does nothing;
+- there are no directories: a "directory" is a key prefix that exists while it
+  holds objects; :meth:`MscFileSystem.makedirs` does nothing;
 - there is no rename: :meth:`MscFileSystem.atomic_write` is one PUT, atomic by
-  nature (readers see the old object or the new one);
-- :meth:`MscFileSystem.open_write` buffers the file (in memory up to
-  ``MSC_WRITE_SPOOL_BYTES``, then in a local temporary file) and uploads it
-  when closed without error; a failed write uploads nothing;
-- :meth:`MscFileSystem.open_read` serves ``seek``/``readinto`` with ranged
-  GETs; a large read is split into pieces of about ``MSC_READ_CHUNK_BYTES``
-  fetched by at most ``MSC_READ_THREADS`` threads, so at most that many pieces
-  are in flight; :meth:`MscFileSystem.read_limits` makes the reader fetch
-  items up to ``MSC_READ_WINDOW_BYTES`` whole (one GET per window), and
-  :meth:`MscFileSystem.parallel_reads` several files at once. With ``MSC_PREFETCH_WHOLE_FILES=1`` the object is downloaded whole
-  into a local temporary file first (for stores that favour whole objects).
+  nature (readers see the old object or the new one); :meth:`MscFileSystem.rename`
+  writes the object under its new name, then deletes the old one;
+- :meth:`MscFileSystem.open_write` keeps the file in memory (up to
+  ``MSC_WRITE_SPOOL_BYTES``, then in a local temporary file) and uploads it when
+  closed without error: one PUT (a multipart upload for a file spooled to disk,
+  where the profile's ``multipart_threshold`` says so); a failed write uploads
+  nothing;
+- :meth:`MscFileSystem.open_data` reads with few large GETs, fetched ahead of the
+  reader (:mod:`.msc_read`); with ``MSC_PREFETCH_WHOLE_FILES=1`` each data file is
+  downloaded whole into a local temporary file first.
 
-Errors name the URL: a missing object raises :class:`FileNotFoundError`;
-refused credentials raise :class:`~dist_checkpointing.errors.StorageAccessError`
-at once; other failures (endpoint unreachable) are retried ``MSC_ATTEMPTS``
-times with a doubling delay, then raise ``StorageAccessError``.
+Each request costs a round trip, so a handle (one per API call) remembers the
+objects it has seen, with their sizes (listings, HEADs, its own writes): asking
+again whether such an object exists, or its size, costs nothing. What it deletes
+or renames it forgets. An object deleted by another process meanwhile is noticed
+when it is read (``FileNotFoundError``).
 """
 
 from __future__ import annotations
 
 import errno
 import io
-import logging
 import tempfile
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType, TracebackType
-from typing import Any, BinaryIO, TypeVar, cast
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, BinaryIO, cast
 
-from ...errors import MissingDependencyError, StorageAccessError
 from .. import knobs
 from .base import FileSystemIO, ReadStream
+from .msc_client import INSTALL_HINT, SCHEME, call, get, import_msc
+from .msc_read import RangedReader
 
-logger = logging.getLogger(__name__)
-
-SCHEME = "msc://"
-INSTALL_HINT = "pip install dist_checkpointing[msc]"
-
-T = TypeVar("T")
-
-
-def import_msc() -> ModuleType:
-    """The ``multistorageclient`` module, or :class:`MissingDependencyError` saying what to install."""
-    try:
-        import multistorageclient
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"msc:// checkpoint paths need the multi-storage-client package: {INSTALL_HINT} ({exc})"
-        ) from exc
-    return multistorageclient
-
-
-def _resolve(url: str) -> tuple[Any, str]:
-    """``(StorageClient, path inside the profile)`` of ``url``."""
-    client, path = import_msc().resolve_storage_client(url)
-    return client, path
-
-
-def call(url: str, what: str, fn: Callable[[Any, str], T]) -> T:
-    """``fn(client, path)`` for ``url``, with the error policy of this module."""
-    attempts = knobs.MSC_ATTEMPTS.get()
-    delay = knobs.MSC_RETRY_DELAY_S.get()
-    for attempt in range(1, attempts + 1):
-        try:
-            client, path = _resolve(url)
-            return fn(client, path)
-        except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, f"{what}: no such object", url) from None
-        except IsADirectoryError:
-            raise
-        except PermissionError as exc:
-            raise StorageAccessError(
-                f"{url}: {what} refused by the storage (check the credentials and permissions "
-                f"of the MSC profile): {exc}"
-            ) from exc
-        except (MissingDependencyError, ValueError, TypeError, KeyError):
-            raise  # configuration errors (unknown profile, bad URL): retrying cannot help
-        except Exception as exc:  # noqa: BLE001 - connection failures, retryable errors
-            if attempt == attempts:
-                raise StorageAccessError(
-                    f"{url}: {what} failed after {attempts} attempt(s) (is the endpoint "
-                    f"reachable?): {type(exc).__name__}: {exc}"
-                ) from exc
-            logger.warning("%s: %s failed (%s); retrying in %.2fs", url, what, exc, delay)
-            time.sleep(delay)
-            delay *= 2
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _byte_range(offset: int, size: int) -> Any:
-    from multistorageclient.types import Range
-
-    return Range(offset=offset, size=size)
+# Whole files this handle wrote, kept for a rename (the commit protocol installs the
+# small files it has just written): at most this size each.
+_KEEP_WRITTEN_BYTES = 8 << 20
 
 
 class MscFileSystem(FileSystemIO):
@@ -114,9 +54,17 @@ class MscFileSystem(FileSystemIO):
 
     def __init__(self) -> None:
         import_msc()  # fail early, with the install hint
-        # Size of each object just opened by open_read (its HEAD), for the file_size
-        # call that follows: one HEAD per opened file, not two.
-        self._opened_sizes: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}  # objects seen to exist: their sizes
+        self._written: dict[str, bytes] = {}  # small objects this handle wrote
+
+    # ------------------------------------------------------------------ what was seen
+
+    def _seen(self, url: str, size: int) -> None:
+        self._sizes[url] = size
+
+    def _forget(self, url: str) -> None:
+        self._sizes.pop(url, None)
+        self._written.pop(url, None)
 
     def parallel_reads(self) -> int:
         return knobs.MSC_READ_THREADS.get()
@@ -125,20 +73,22 @@ class MscFileSystem(FileSystemIO):
         return f"{directory.rstrip('/')}/{name}"
 
     def read_limits(self) -> tuple[int, int, int]:
-        """Each request costs a round trip: items up to ``MSC_READ_WINDOW_BYTES`` are
-        fetched whole, with their neighbours, in windows of that size."""
-        window = knobs.MSC_READ_WINDOW_BYTES.get()
-        return window, max(knobs.READ_MAX_GAP_BYTES.get(), 1 << 20), window
+        """No read windows: every item is read in place; :mod:`.msc_read` fetches the
+        planned ranges of a file in few large GETs instead."""
+        return 0, knobs.READ_MAX_GAP_BYTES.get(), 0
+
+    # ------------------------------------------------------------------ reads
 
     def open_write(self, path: str) -> BinaryIO:
-        return cast(BinaryIO, UploadStream(path))
+        self._forget(path)
+        return cast(BinaryIO, UploadStream(path, on_upload=lambda n: self._seen(path, n)))
 
     def open_read(self, path: str) -> ReadStream:
-        size = self._stat_size(path)
-        if len(self._opened_sizes) > 1024:
-            self._opened_sizes.clear()
-        self._opened_sizes[path] = size
-        if knobs.MSC_PREFETCH_WHOLE_FILES.get():
+        return self.open_data(path, ())
+
+    def open_data(self, path: str, spans: Sequence[tuple[int, int]]) -> ReadStream:
+        size = self.file_size(path)
+        if knobs.MSC_PREFETCH_WHOLE_FILES.get() and spans:
             local = tempfile.TemporaryFile(prefix="dist_ckpt_msc_")  # noqa: SIM115 - returned
             try:
                 call(path, "download", lambda c, p: c.download_file(p, local))
@@ -147,65 +97,107 @@ class MscFileSystem(FileSystemIO):
                 local.close()
                 raise
             return cast(ReadStream, local)
-        return RangedReader(path, size)
+        reader = RangedReader(path, size)
+        if spans:
+            reader.plan(spans)
+        return cast(ReadStream, reader)
 
     def read_whole(self, path: str) -> bytes:
-        return call(path, "download", lambda c, p: bytes(c.read(p)))
+        data = get(path, 0, 0, whole=True)
+        self._seen(path, len(data))
+        return data
 
-    def fsync(self, stream: BinaryIO) -> None:
-        stream.flush()  # durable once uploaded (at close)
+    def file_size(self, path: str) -> int:
+        size = self._sizes.get(path)
+        if size is None:
+            info = call(path, "stat", lambda c, p: c.info(p))
+            if info.type != "file":
+                raise IsADirectoryError(errno.EISDIR, "not an object", path)
+            size = int(info.content_length)
+            self._seen(path, size)
+        return size
 
-    def atomic_write(self, path: str, data: bytes, *, sync: bool = True) -> None:
-        call(path, "upload", lambda c, p: c.write(p, bytes(data)))
+    def exists(self, path: str) -> bool:
+        """Whether object ``path`` exists (one HEAD, unless this handle has seen it)."""
+        if path in self._sizes:
+            return True
+        try:
+            info = call(path, "stat", lambda c, p: c.info(p, strict=False))
+        except FileNotFoundError:
+            return False
+        if info.type == "file":
+            self._seen(path, int(info.content_length))
+        return True
+
+    def is_dir(self, path: str) -> bool:
+        """Whether prefix ``path`` holds objects (one listing; the objects of its first
+        page are remembered)."""
+        return bool(self._list(path, first_page_only=True))
 
     def listdir(self, path: str) -> list[str]:
+        return self._list(path, first_page_only=False)
+
+    def _list(self, path: str, first_page_only: bool) -> list[str]:
         prefix = path.rstrip("/") + "/"
 
         def names(client: Any, key: str) -> list[str]:
             base = key.rstrip("/") + "/" if key.strip("/") else ""
             found: set[str] = set()
-            for obj in client.list(base, include_directories=True):
+            for count, obj in enumerate(client.list(base, include_directories=True), 1):
                 rest = str(obj.key)[len(base) :].strip("/")
                 if rest:
                     found.add(rest.split("/", 1)[0])
+                    if "/" not in rest and obj.type == "file":
+                        self._seen(prefix + rest, int(obj.content_length))
+                if first_page_only and count >= 1000:  # one response: a listing page
+                    break
             return sorted(found)
 
         return call(prefix, "listing", names)
 
+    # ------------------------------------------------------------------ writes
+
+    def fsync(self, stream: BinaryIO) -> None:
+        stream.flush()  # durable once uploaded (at close)
+
+    def atomic_write(self, path: str, data: bytes, *, sync: bool = True) -> None:
+        body = bytes(data)
+        call(path, "upload", lambda c, p: c.write(p, body))
+        self._forget(path)
+        self._seen(path, len(body))
+        if len(body) <= _KEEP_WRITTEN_BYTES:
+            self._written[path] = body
+
     def remove(self, path: str) -> None:
-        call(path, "delete", lambda c, p: c.delete(p))
+        """Delete object ``path``: one request where this handle has seen it, else a
+        HEAD first (``FileNotFoundError`` if it does not exist)."""
+        known = path in self._sizes
+        self._forget(path)
+        if known:
+            call(path, "delete", lambda c, p: c.delete_many([p]))
+        else:
+            call(path, "delete", lambda c, p: c.delete(p))
 
-    def _info(self, path: str) -> Any | None:
-        try:
-            return call(path, "stat", lambda c, p: c.info(p))
-        except FileNotFoundError:
-            return None
-
-    def exists(self, path: str) -> bool:
-        return self._info(path) is not None
-
-    def is_dir(self, path: str) -> bool:
-        """Whether prefix ``path`` holds objects (one listing request)."""
-        prefix = path.rstrip("/") + "/"
-
-        def holds_objects(client: Any, key: str) -> bool:
-            base = key.rstrip("/") + "/" if key.strip("/") else ""
-            return next(iter(client.list(base, include_directories=True)), None) is not None
-
-        return call(prefix, "listing", holds_objects)
+    def rename(self, src: str, dst: str) -> None:
+        """Write ``src``'s bytes as ``dst`` (from memory where this handle wrote them;
+        large objects are copied by the store), then delete ``src``."""
+        data = self._written.get(src)
+        if data is None and self.file_size(src) > knobs.MSC_WRITE_SPOOL_BYTES.get():
+            call(dst, "copy", lambda c, p: c.copy(_inside(c, src), p))
+            self._forget(dst)
+            self._seen(dst, self.file_size(src))
+        else:
+            self.atomic_write(dst, data if data is not None else self.read_whole(src))
+        self.remove(src)
 
     def makedirs(self, path: str) -> None:
         """Nothing to do: an object store's prefixes exist while they hold objects."""
 
-    def file_size(self, path: str) -> int:
-        size = self._opened_sizes.pop(path, None)
-        return self._stat_size(path) if size is None else size
 
-    def _stat_size(self, path: str) -> int:
-        info = call(path, "stat", lambda c, p: c.info(p))
-        if info.type != "file":
-            raise IsADirectoryError(errno.EISDIR, "not an object", path)
-        return int(info.content_length)
+def _inside(client: Any, url: str) -> str:
+    """The path of ``url`` inside ``client``'s profile."""
+    _, path = import_msc().resolve_storage_client(url)
+    return str(path)
 
 
 class UploadStream(io.RawIOBase):
@@ -215,12 +207,13 @@ class UploadStream(io.RawIOBase):
     temporary file. A file kept in memory is uploaded with one PUT; a larger one with
     MSC's ``upload_file`` from the temporary file (multipart where the profile says
     so). Leaving a ``with`` block by an exception discards the bytes: nothing is
-    uploaded.
+    uploaded. ``on_upload(size)`` is called once the object exists.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, on_upload: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self.url = url
+        self._on_upload = on_upload
         self._spool_limit = knobs.MSC_WRITE_SPOOL_BYTES.get()
         self._memory: io.BytesIO | None = io.BytesIO()
         self._disk: Any = None  # a NamedTemporaryFile once past the spool limit
@@ -259,6 +252,8 @@ class UploadStream(io.RawIOBase):
         try:
             if not self._discard:
                 self._upload()
+                if self._on_upload is not None:
+                    self._on_upload(self._size)
         finally:
             if self._disk is not None:
                 self._disk.close()  # removes the temporary file
@@ -267,85 +262,13 @@ class UploadStream(io.RawIOBase):
 
     def _upload(self) -> None:
         if self._memory is not None:
-            data = self._memory.getvalue()
+            data = self._memory.getvalue()  # no copy: the buffer is handed over
+            self._memory = None
             call(self.url, "upload", lambda c, p: c.write(p, data))
             return
         self._disk.flush()
         name = self._disk.name
         call(self.url, "upload", lambda c, p: c.upload_file(p, name))
-
-
-class RangedReader(io.RawIOBase):
-    """A read-only file of ``size`` bytes served by ranged GETs (see the module doc)."""
-
-    def __init__(self, url: str, size: int) -> None:
-        super().__init__()
-        self.url = url
-        self.size = size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0, /) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer: Any, /) -> int:
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(len(view), self.size - self._pos))
-        if n == 0:
-            return 0
-        got = self._fetch(self._pos, view[:n])
-        self._pos += got
-        return got
-
-    def readall(self) -> bytes:
-        if self._pos == 0:
-            data = call(self.url, "download", lambda c, p: bytes(c.read(p)))
-            self._pos = len(data)
-            return data
-        buf = bytearray(max(0, self.size - self._pos))
-        n = self.readinto(buf)
-        return bytes(buf[:n])
-
-    def _fetch(self, offset: int, view: memoryview) -> int:
-        """Fill ``view`` from ``offset``; the number of bytes the object had there."""
-        # Pieces of about MSC_READ_CHUNK_BYTES (never one sliver more: requests cost).
-        pieces = max(1, round(len(view) / knobs.MSC_READ_CHUNK_BYTES.get()))
-        step = -(-len(view) // pieces)
-        spans = [(start, min(step, len(view) - start)) for start in range(0, len(view), step)]
-        threads = min(knobs.MSC_READ_THREADS.get(), len(spans))
-
-        def get(span: tuple[int, int]) -> int:
-            start, length = span
-            data = call(
-                self.url,
-                "ranged read",
-                lambda c, p: c.read(p, byte_range=_byte_range(offset + start, length)),
-            )
-            got = min(len(data), length)
-            view[start : start + got] = memoryview(data)[:got]
-            return got
-
-        if threads <= 1:
-            counts = [get(span) for span in spans]
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-msc-read") as pool:
-                counts = list(pool.map(get, spans))
-        total = 0
-        for (_, length), got in zip(spans, counts):
-            total += got
-            if got < length:  # the object ends early: report the contiguous prefix
-                break
-        return total
 
 
 __all__ = ["INSTALL_HINT", "SCHEME", "MscFileSystem", "RangedReader", "UploadStream", "import_msc"]

@@ -203,7 +203,8 @@ class FileSystemReader(StorageReader):
         path = self.location.path(relative_path)
         items = sorted(items, key=lambda pair: pair[1].offset)
         keys = sorted({str(ri.storage_index.fqn) for ri, _ in items})
-        stream, size = self.location.open_data_file(relative_path, keys)
+        spans = [(info.offset, info.length) for _, info in items]
+        stream, size = self.location.open_data_file(relative_path, keys, spans)
         with stream:
             file = DataFile(stream, path, size, self.fs.read_limits())
             for read_item, info in items:
@@ -289,7 +290,7 @@ def read_object_bytes(
         storage_offsets=torch.Size(),
         lengths=torch.Size(),
     )
-    stream, size = reader.location.open_data_file(name, [key])
+    stream, size = reader.location.open_data_file(name, [key], [(info.offset, info.length)])
     with stream:
         file = DataFile(stream, path, size, reader.fs.read_limits())
         file.check_range(info.offset, info.length, read_item)
