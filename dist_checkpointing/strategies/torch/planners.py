@@ -62,7 +62,8 @@ from .layout import (
     ND_REFORMULATED_SHAPE_KEY,
     stored_chunk,
 )
-from .read_planning import ReadLayout, box_slices, read_items
+from ..._shard_geometry import box_slices
+from .read_planning import ReadLayout, read_items
 
 logger = logging.getLogger(__name__)
 
