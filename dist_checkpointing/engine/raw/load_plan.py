@@ -21,6 +21,7 @@ every block it reads.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ import torch
 from ..._shard_geometry import box_intersection, box_slices, flat_range_rows
 from ...errors import CheckpointingException, CorruptCheckpointError, ShapeMismatchError
 from ...mapping import ShardedObject, ShardedTensor
-from .index import ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
+from .index import DTYPES, ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
 from .reader import Read
 from .writer import buffer_of
 
@@ -66,6 +67,13 @@ class LoadPlanner:
 
     def __init__(self, index: RawIndex) -> None:
         self.index = index
+        c = index.columns
+        self._offsets, self._length = c["offset"], c["length"]
+        self._kind, self._ndim, self._dims_start = c["kind"], c["ndim"], c["dims_start"]
+        self._flat_start, self._flat_stop, self._dtype = c["flat_start"], c["flat_stop"], c["dtype"]
+        self._dims = index.dims_list
+        self._by_key = index.rows_by_key
+        self._dtypes = [DTYPES[name] for name in index.dtypes]
         self.plan = LoadPlan()
         self._blocks: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._block_copies: list[Callable[[], None]] = []
@@ -89,57 +97,55 @@ class LoadPlanner:
         if not rows:
             raise CheckpointingException(f"'{key}' is stored as a tensor, requested as an object")
         buf = bytearray(self.index.columns["length"][rows[0]])
-        self.plan.reads.append(Read(rows[0], 0, len(buf), buf))
+        self.plan.reads.append(self._read(rows[0], 0, len(buf), buf))
         self.plan.objects.append((sh, buf))
 
     def add_tensor(self, sh: ShardedTensor) -> None:
-        assert sh.data is not None
-        rows = self._rows(sh.key)
-        index = self.index
-        gshape, _, _ = index.box(rows[0])
-        if gshape != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
+        data = sh.data
+        assert data is not None
+        rows = self._by_key.get(sh.key) or self._rows(sh.key)
+        d = self._dims
+        first = rows[0]
+        n, at = self._ndim[first], self._dims_start[first]
+        gshape = list(sh.global_shape)
+        if d[at : at + n] != gshape and not sh.allow_shape_mismatch:
             raise ShapeMismatchError(
-                f"'{sh.key}': requested global shape {tuple(sh.global_shape)}, the checkpoint "
-                f"stores {gshape}"
+                f"'{sh.key}': requested global shape {tuple(gshape)}, the checkpoint "
+                f"stores {tuple(d[at : at + n])}"
             )
-        block = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-        offset = tuple(sh.global_offset)
+        block = [1] * sh.prepend_axis_num + list(sh.local_shape)
+        offset = list(sh.global_offset)
         fr = sh.flattened_range
-        flat = None if fr is None else (fr.start, fr.stop)
-        if self._add_exact(sh, rows, offset, block, flat):
+        kind = KIND_GRID if fr is None else KIND_FLAT
+        kinds, starts, ndims = self._kind, self._dims_start, self._ndim
+        for row in rows:  # the same chunk stored: one read straight into the request
+            n, at = ndims[row], starts[row]
+            if kinds[row] != kind or d[at + n : at + 2 * n] != offset:
+                continue
+            if d[at + 2 * n : at + 3 * n] != block:
+                continue
+            if fr is not None and (self._flat_start[row], self._flat_stop[row]) != (
+                fr.start,
+                fr.stop,
+            ):
+                continue
+            self._add_exact(row, data)
             return
-        self._add_boxes(sh, rows, offset, block)
+        self._add_boxes(sh, rows, tuple(offset), tuple(block))
 
-    def _add_exact(
-        self,
-        sh: ShardedTensor,
-        rows: list[int],
-        offset: tuple[int, ...],
-        block: tuple[int, ...],
-        flat: tuple[int, int] | None,
-    ) -> bool:
-        """The stored entry that is exactly this request, read straight into it."""
-        c = self.index.columns
-        kind = KIND_GRID if flat is None else KIND_FLAT
-        for row in rows:
-            if c["kind"][row] != kind:
-                continue
-            if flat is not None and (c["flat_start"][row], c["flat_stop"][row]) != flat:
-                continue
-            _, o, s = self.index.box(row)
-            if o != offset or s != block:
-                continue
-            data = sh.data
-            assert data is not None
-            dtype = self.index.dtype_of(row)
-            shape = tuple(data.shape)
-            dest = _host_view(data, dtype, shape)
-            if dest is None:
-                dest = torch.empty(shape, dtype=dtype)
-                self.plan.copies.append(partial(_copy, data, dest))
-            self.plan.reads.append(Read(row, 0, c["length"][row], buffer_of(dest)))
-            return True
-        return False
+    def _add_exact(self, row: int, data: torch.Tensor) -> None:
+        dtype = self._dtypes[self._dtype[row]]
+        length = self._length[row]
+        if data.dtype == dtype and data.is_cpu and data.is_contiguous():
+            dest = data
+        else:
+            dest = torch.empty(data.shape, dtype=dtype)
+            self.plan.copies.append(partial(_copy, data, dest))
+        buf = (ctypes.c_char * length).from_address(dest.data_ptr()) if length else b""
+        self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
+
+    def _read(self, row: int, entry_offset: int, length: int, dest: Any) -> Read:
+        return Read(row, entry_offset, length, dest, self._offsets[row] + entry_offset)
 
     # ------------------------------------------------------------------ resharding
 
@@ -230,11 +236,11 @@ class LoadPlanner:
         want_lo, want_hi = r0 * row_bytes, r1 * row_bytes
         whole = want_lo == 0 and want_hi == length
         if whole and tuple(size[1:]) == tuple(s[1:]) and dst.is_contiguous() and dst.dtype == dtype:
-            self.plan.reads.append(Read(row, 0, length, buffer_of(dst)))
+            self.plan.reads.append(self._read(row, 0, length, buffer_of(dst)))
             return
         lo_b, hi_b = self._block_bounds(want_lo, want_hi, length)
         buf = torch.empty(hi_b - lo_b, dtype=torch.uint8)
-        self.plan.reads.append(Read(row, lo_b, hi_b - lo_b, buffer_of(buf)))
+        self.plan.reads.append(self._read(row, lo_b, hi_b - lo_b, buffer_of(buf)))
         rows_shape = (r1 - r0,) + tuple(s[1:])
         sub = tuple(slice(a - b, a - b + n) for a, b, n in zip(lo[1:], o[1:], size[1:]))
 
@@ -265,7 +271,7 @@ class LoadPlanner:
             if c["kind"][row] != KIND_FLAT or self.index.box(row)[1] != o:
                 continue
             a, b = c["flat_start"][row], c["flat_stop"][row]
-            self.plan.reads.append(Read(row, 0, c["length"][row], buffer_of(block[a:b])))
+            self.plan.reads.append(self._read(row, 0, c["length"][row], buffer_of(block[a:b])))
             covered += b - a
         if covered != block.numel():
             raise CorruptCheckpointError(

@@ -39,6 +39,7 @@ class Read:
     entry_offset: int
     length: int
     dest: Any
+    at: int  # the offset in the data file: the entry's offset + entry_offset
 
 
 def _read_all(fd: int, buffers: list[Any], offset: int, describe: Any) -> None:
@@ -67,6 +68,10 @@ def _read_stream(stream: ReadStream, buf: Any, offset: int, describe: Any) -> No
         done += n
 
 
+def _at(r: Read) -> int:
+    return r.at
+
+
 class RawReader:
     """Executes the reads of one load against the data files of ``index``."""
 
@@ -75,6 +80,8 @@ class RawReader:
         self.index = index
         self.verify = verify and index.block_bytes > 0
         self.max_gap = knobs.READ_MAX_GAP_BYTES.get()
+        self._crcs: list[int] = index.crcs.tolist() if self.verify else []
+        self._crc_start: list[int] = index.columns["crc_start"]
 
     def run(self, reads: Sequence[Read]) -> None:
         by_file: dict[int, list[Read]] = {}
@@ -89,9 +96,6 @@ class RawReader:
         for f in sorted(by_file):
             self._run_file(f, by_file[f])
 
-    def _file_offset(self, r: Read) -> int:
-        return int(self.index.columns["offset"][r.row]) + r.entry_offset
-
     def _run_file(self, f: int, reads: list[Read]) -> None:
         name = self.index.files[f]
         keys = self.index.key_list
@@ -99,13 +103,13 @@ class RawReader:
         stream, size = self.ckpt.open_data_file(name, holds)
         path = self.ckpt.path(name)
         with stream:
-            reads.sort(key=self._file_offset)
+            reads.sort(key=_at)
             for r in reads:
-                end = self._file_offset(r) + r.length
+                end = r.at + r.length
                 if end > size:
                     raise CorruptCheckpointError(
                         f"{path} is truncated: item {keys[r.row]!r} (offset "
-                        f"{self._file_offset(r)}, length {r.length}) ends at byte {end}, but the "
+                        f"{r.at}, length {r.length}) ends at byte {end}, but the "
                         f"file has {size} bytes"
                     )
             self._fetch(stream, path, reads)
@@ -126,12 +130,12 @@ class RawReader:
 
         if fd is None:
             for r in reads:
-                _read_stream(stream, r.dest, self._file_offset(r), describe)
+                _read_stream(stream, r.dest, r.at, describe)
             return
         batch: list[Any] = []
         start = pos = 0
         for r in reads:
-            at = self._file_offset(r)
+            at = r.at
             if batch and (at < pos or at - pos > self.max_gap or len(batch) >= _IOV_MAX - 1):
                 _read_all(fd, batch, start, describe)
                 batch = []
@@ -146,25 +150,28 @@ class RawReader:
             _read_all(fd, batch, start, describe)
 
     def _check(self, r: Read, path: str) -> None:
-        index = self.index
-        c = index.columns
-        bb = index.block_bytes
-        first = c["crc_start"][r.row] + r.entry_offset // bb
+        bb = self.index.block_bytes
+        first = self._crc_start[r.row] + r.entry_offset // bb
         if r.length <= bb:
-            found = [crc(r.dest if r.length else b"")]
+            if crc(r.dest) == self._crcs[first]:
+                return
+            found = [crc(r.dest)]
         else:
             found = block_crcs(r.dest, bb)
-        expected = index.crcs[first : first + len(found)].tolist()
-        if found == expected:
-            return
-        bad = next(i for i, (a, b) in enumerate(zip(found, expected + [-1] * len(found))) if a != b)
-        key = index.key_list[r.row]
-        at = self._file_offset(r) + bad * bb
-        exp = expected[bad] if bad < len(expected) else -1
+            if found == self._crcs[first : first + len(found)]:
+                return
+        expected = self._crcs[first : first + len(found)]
+        bad = next(i for i, v in enumerate(found) if i >= len(expected) or v != expected[i])
+        self._mismatch(r, path, bad, found[bad], expected[bad] if bad < len(expected) else -1)
+
+    def _mismatch(self, r: Read, path: str, block: int, found: int, expected: int) -> None:
+        c = self.index.columns
+        key = self.index.key_list[r.row]
+        at = r.at + block * self.index.block_bytes
         raise ChecksumMismatchError(
             f"checksum mismatch in {path} at byte {at} (item {key!r} at offset "
-            f"{c['offset'][r.row]}, length {c['length'][r.row]}; crc32c {found[bad]:08x}, "
-            f"recorded {exp:08x}): the file was damaged or comes from another save",
+            f"{c['offset'][r.row]}, length {c['length'][r.row]}; crc32c {found:08x}, "
+            f"recorded {expected:08x}): the file was damaged or comes from another save",
             key=key,
             file=path,
             offset=at,

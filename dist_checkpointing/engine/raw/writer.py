@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from ..storage.names import safe_name
 from ..storage.resolve import filesystem_for
 from .index import (
     DATA_SUFFIX,
+    DTYPE_NAMES,
     ENTRY_DTYPE,
     ITEMSIZE,
     KIND_FLAT,
@@ -78,7 +80,7 @@ def _host_ready(t: torch.Tensor) -> bool:
 class _Leaves:
     """Per-item columns collected from the leaves (plain lists, made arrays at the end)."""
 
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
     kinds: list[int] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     ndims: list[int] = field(default_factory=list)
@@ -91,7 +93,8 @@ class _Leaves:
 def _collect(leaves: list[ShardedBase]) -> _Leaves:
     out = _Leaves()
     for sh in leaves:
-        if not is_main_replica(sh.replica_id):
+        rid = sh.replica_id
+        if rid != 0 and not is_main_replica(rid):
             continue
         if isinstance(sh, ShardedTensor):
             _add_tensor(out, sh)
@@ -99,7 +102,7 @@ def _collect(leaves: list[ShardedBase]) -> _Leaves:
             buf = io.BytesIO()
             torch.save(sh.data, buf)
             payload = buf.getvalue()
-            out.keys.append(sh.unique_key.encode())
+            out.keys.append(sh.unique_key)
             out.kinds.append(KIND_OBJECT)
             out.dtypes.append("uint8")
             out.ndims.append(0)
@@ -110,28 +113,36 @@ def _collect(leaves: list[ShardedBase]) -> _Leaves:
 
 
 def _add_tensor(out: _Leaves, sh: ShardedTensor) -> None:
+    """One tensor's columns, from the ShardedTensor's fields (validated on construction:
+    ``data`` has ``dtype`` and the local or flat shape)."""
     fr = sh.flattened_range
-    if fr is not None and fr.stop <= fr.start:
-        return  # an empty flat range holds nothing
     data = sh.data
     if data is None:
         raise ValueError(f"ShardedTensor {sh.key!r} has no data to save")
-    t = data.detach()
-    name = dtype_name(t.dtype)
+    local = sh.local_shape
+    if fr is None:
+        count = math.prod(local)
+        out.kinds.append(KIND_GRID)
+        out.flat.append((0, 0))
+    else:
+        count = fr.stop - fr.start
+        if count <= 0:
+            return  # an empty flat range holds nothing
+        out.kinds.append(KIND_FLAT)
+        out.flat.append((fr.start, fr.stop))
+    dtype = sh.dtype
+    out.keys.append(sh.key)
+    out.dtypes.append(DTYPE_NAMES.get(dtype) or dtype_name(dtype))
     gshape = sh.global_shape
-    out.keys.append(sh.key.encode())
-    out.kinds.append(KIND_GRID if fr is None else KIND_FLAT)
-    out.dtypes.append(name)
     out.ndims.append(len(gshape))
-    out.dims += gshape
-    out.dims += sh.global_offset
-    p = sh.prepend_axis_num
-    if p:
-        out.dims += (1,) * p
-    out.dims += sh.local_shape
-    out.flat.append((0, 0) if fr is None else (fr.start, fr.stop))
-    out.lengths.append(t.numel() * ITEMSIZE[t.dtype])
-    out.data.append(t)
+    dims = out.dims
+    dims += gshape
+    dims += sh.global_offset
+    if sh.prepend_axis_num:
+        dims += (1,) * sh.prepend_axis_num
+    dims += local
+    out.lengths.append(count * ITEMSIZE[dtype])
+    out.data.append(data)
 
 
 def _aligned(lengths: np.ndarray, alignment: int) -> np.ndarray:
@@ -162,7 +173,10 @@ def plan_rank(
     dtype_names = sorted(set(c.dtypes)) or ["uint8"]
     dtype_ids = {d: i for i, d in enumerate(dtype_names)}
     ndims = np.array(c.ndims, dtype=np.int64)
-    key_lens = np.array([len(k) for k in c.keys], dtype=np.int64)
+    key_blob = "".join(c.keys).encode()
+    key_lens = np.fromiter(map(len, c.keys), dtype=np.int64, count=n)
+    if len(key_blob) != int(key_lens.sum()):  # non-ASCII keys: count bytes
+        key_lens = np.fromiter((len(k.encode()) for k in c.keys), dtype=np.int64, count=n)
     if block_bytes:
         crc_counts = np.maximum(-(-lengths // block_bytes), 1)
     else:
@@ -193,7 +207,7 @@ def plan_rank(
         entries=e,
         dims=np.array(c.dims, dtype="<i8"),
         crcs=np.zeros(int(crc_counts.sum()), dtype="<u4"),
-        keys=b"".join(c.keys),
+        keys=key_blob,
         dtypes=dtype_names,
     )
     return write, piece
