@@ -29,7 +29,7 @@ from ..engine.async_save.request import AsyncRequest
 from ..engine.checkpoint import commit
 from ..engine.collectives import RankGroup, raise_on_all_ranks
 from ..engine.raw import load as raw_load
-from ..engine.raw.index import DATA_SUFFIX, INDEX_NAME, KIND_OBJECT
+from ..engine.raw.index import DATA_SUFFIX, INDEX_NAME, KIND_OBJECT, is_raw_bytes_file
 from ..engine.raw.save import save_request
 from ..engine.safety import safe_torch_load
 from ..engine.storage.location import CheckpointDir
@@ -48,11 +48,6 @@ VERSION = 1
 # The torch_dist layout's files: a raw_bytes save over a torch_dist checkpoint
 # replaces them (and deletes them once committed), like its own.
 _TORCH_DIST_METADATA = ".metadata"
-
-
-def is_raw_bytes_file(name: str) -> bool:
-    """Whether ``name`` is a file of the raw_bytes layout (index or data file)."""
-    return name == INDEX_NAME or name.endswith(DATA_SUFFIX)
 
 
 def register_default_raw_bytes_strategies() -> None:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ...errors import CorruptCheckpointError
+from ..storage.checksums import ItemChecksum
 from ..storage.names import safe_name
 
 INDEX_NAME = ".raw_index"
@@ -99,6 +100,11 @@ DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
 ITEMSIZE: dict[torch.dtype, int] = {
     d: torch.empty((), dtype=d).element_size() for d in DTYPES.values()
 }
+
+
+def is_raw_bytes_file(name: str) -> bool:
+    """Whether ``name`` is a file of the raw_bytes layout (its index or a data file)."""
+    return name == INDEX_NAME or name.endswith(DATA_SUFFIX)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -398,6 +404,21 @@ def _crc_count_problem(index: RawIndex) -> str | None:
     return None
 
 
+def raw_items_by_file(index: RawIndex) -> dict[str, list[ItemChecksum]]:
+    """Each data file's items with their checksums (what ``verify`` checks)."""
+    c = index.columns
+    crcs = index.crcs.tolist()
+    out: dict[str, list[ItemChecksum]] = {name: [] for name in index.files}
+    for row in range(len(index.entries)):
+        start = c["crc_start"][row]
+        out[index.files[c["file"][row]]].append(
+            ItemChecksum(
+                c["offset"][row], c["length"][row], crcs[start : start + c["crc_count"][row]]
+            )
+        )
+    return out
+
+
 # --------------------------------------------------------------------------- assembly
 
 
@@ -458,6 +479,8 @@ __all__ = [
     "KIND_OBJECT",
     "RawIndex",
     "dtype_name",
+    "is_raw_bytes_file",
     "merge_pieces",
     "parse_index",
+    "raw_items_by_file",
 ]

@@ -56,13 +56,13 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from ..._shard_geometry import box_slices
 from ...errors import CorruptCheckpointError, KeyMismatchError, ShapeMismatchError
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
 from .layout import (
     ND_REFORMULATED_SHAPE_KEY,
     stored_chunk,
 )
-from ..._shard_geometry import box_slices
 from .read_planning import ReadLayout, read_items
 
 logger = logging.getLogger(__name__)
