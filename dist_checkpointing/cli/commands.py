@@ -17,7 +17,7 @@ from ..errors import CheckpointingException
 from .source import Checkpoint, file_sizes, incomplete_reason, one_line, open_checkpoint
 from .ui import CliError, human_bytes, table
 
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+_RANK_FILE = re.compile(r"__(\d+)_\d+(\.[0-9a-f]+)?\.(distcp|dcpraw)$")
 
 
 def _summary(ckpt: Checkpoint, pattern: str | None) -> dict[str, Any]:
