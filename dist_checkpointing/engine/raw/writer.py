@@ -168,8 +168,11 @@ def plan_rank(
     total = int(padded.sum())
     files = min(file_count, n) or 1
     file_of = np.minimum(starts * files // max(total, 1), files - 1) if n else lengths
+    # Runs of items in file order; a large item may leave a file empty: renumber.
+    used, file_of = np.unique(file_of, return_inverse=True)
+    files = len(used)
     firsts = np.searchsorted(file_of, np.arange(files))
-    offsets = starts - starts[np.minimum(firsts, max(n - 1, 0))][file_of] if n else lengths
+    offsets = starts - starts[firsts][file_of] if n else lengths
     dtype_names = sorted(set(c.dtypes)) or ["uint8"]
     dtype_ids = {d: i for i, d in enumerate(dtype_names)}
     ndims = np.array(c.ndims, dtype=np.int64)
