@@ -192,7 +192,7 @@ def _to_layout(args: argparse.Namespace) -> int:
         raise CliError("--keys is not supported with --to torch_dist/raw_bytes (all is converted)")
     _check_destination(args.dst, is_dir=True)
     os.makedirs(args.dst, exist_ok=True)
-    count = relayout(args.src, args.dst, args.to)
+    count = relayout(args.src, args.dst, args.to, file_backed)
     print(f"wrote {count} tensor(s) in the {args.to} layout to {args.dst}")
     return 0
 

@@ -10,17 +10,22 @@ range covering the whole tensor); the output loads into any layout.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from .. import serialization
 from ..mapping import ShardedObject, ShardedTensor
-from .convert import file_backed
 from .ui import CliError
 
 LAYOUTS = ("torch_dist", "raw_bytes")
 
+#: ``alloc(where, shape, dtype)``: memory for one whole tensor (``convert.file_backed``).
+Alloc = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 
-def _request(src: str, where: str) -> dict[str, Any]:
+
+def _request(src: str, where: str, file_backed: Alloc) -> dict[str, Any]:
     """Every stored tensor (whole, in file-backed memory) and object, by key."""
     request: dict[str, Any] = {}
     for key, sh in serialization.load_sharded_metadata(src).items():
@@ -39,13 +44,13 @@ def _request(src: str, where: str) -> dict[str, Any]:
     return request
 
 
-def relayout(src: str, dst: str, layout: str) -> int:
-    """Write the checkpoint ``src`` to the empty directory ``dst`` in ``layout``;
-    returns the number of tensors."""
+def relayout(src: str, dst: str, layout: str, file_backed: Alloc) -> int:
+    """Write the checkpoint ``src`` to the empty directory ``dst`` in ``layout``, each
+    tensor read into ``file_backed`` memory; returns the number of tensors."""
     if layout not in LAYOUTS:
         raise CliError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
     where = os.path.dirname(os.path.abspath(dst))
-    request = _request(src, where)
+    request = _request(src, where, file_backed)
     loaded = serialization.load(dict(request), src, validate_access_integrity=False)
     assert isinstance(loaded, dict)
     common = serialization.load_common_state_dict(src)

@@ -231,3 +231,40 @@ def test_two_ranks_load_their_own_rows(saved: Path) -> None:
         expected = _state(rank, 2)
         for key in ("model.w", "model.b", "opt.m", "opt.flat"):
             assert same_bits(loaded[key], expected[key].data), (rank, key)
+
+
+def _one_rank_state(scale: float) -> dict[str, Any]:
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", _full("w") * scale),
+        "o": ShardedObject("o", {"scale": scale}, (1,), (0,)),
+    }
+
+
+def test_layouts_replace_each_other_in_one_directory(tmp_path: Path) -> None:
+    """A save in one layout over a checkpoint of the other commits, then deletes the
+    other layout's files; each load finds its layout in metadata.json."""
+    dc.save(_one_rank_state(1.0), tmp_path)
+    assert (tmp_path / ".metadata").exists()
+    dc.save(_one_rank_state(2.0), tmp_path, get_default_save_sharded_strategy(*RAW))
+    names = set(os.listdir(tmp_path))
+    assert INDEX_NAME in names and ".metadata" not in names
+    assert not any(n.endswith(".distcp") for n in names), names
+    loaded = dc.load(_one_rank_state(0.0), tmp_path)
+    assert same_bits(loaded["w"], _full("w") * 2.0) and loaded["o"] == {"scale": 2.0}
+    dc.save(_one_rank_state(3.0), tmp_path)
+    names = set(os.listdir(tmp_path))
+    assert ".metadata" in names and INDEX_NAME not in names
+    assert not any(n.endswith(".dcpraw") for n in names), names
+    assert same_bits(dc.load(_one_rank_state(0.0), tmp_path)["w"], _full("w") * 3.0)
+
+
+def test_integrity_manifest_covers_raw_files(tmp_path: Path) -> None:
+    dc.save(
+        _one_rank_state(1.0),
+        tmp_path,
+        get_default_save_sharded_strategy(*RAW),
+        verify_integrity=True,
+    )
+    manifest = (tmp_path / "integrity.json").read_text()
+    assert INDEX_NAME in manifest and "__0_0.dcpraw" in manifest
+    assert dc.load(_one_rank_state(0.0), tmp_path, verify_integrity=True)["o"] == {"scale": 1.0}

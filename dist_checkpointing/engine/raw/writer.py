@@ -21,12 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c as _crc32c
 import numpy as np
 import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from ..storage.base import FileSystemIO
-from ..storage.checksums import block_crcs, crc
+from ..storage.checksums import block_crcs
 from ..storage.names import safe_name
 from ..storage.resolve import filesystem_for
 from .index import (
@@ -53,12 +54,12 @@ def data_file_name(rank: int, n: int, save_tag: str = "") -> str:
 
 @dataclass
 class RankWrite:
-    """What one rank writes: per file, ``(offset, data)`` items in file order; ``data``
-    is a contiguous CPU tensor (after staging) or bytes."""
+    """What one rank writes: per file, ``(offset, length, data)`` items in file order;
+    ``data`` is a contiguous CPU tensor (after staging) of ``length`` bytes, or bytes."""
 
     root: str
     names: list[str]
-    items: list[list[tuple[int, Any]]]
+    items: list[list[tuple[int, int, Any]]]
     block_bytes: int
     sync: bool = True
     sizes: list[int] = field(default_factory=list)
@@ -67,9 +68,9 @@ class RankWrite:
         """Copy accelerator (and non-contiguous) tensors to contiguous host memory
         (the ``preload_fn`` of the request: works in place, returns None)."""
         for file_items in self.items:
-            for i, (offset, data) in enumerate(file_items):
+            for i, (offset, length, data) in enumerate(file_items):
                 if isinstance(data, torch.Tensor) and not _host_ready(data):
-                    file_items[i] = (offset, data.to("cpu").contiguous())
+                    file_items[i] = (offset, length, data.to("cpu").contiguous())
 
 
 def _host_ready(t: torch.Tensor) -> bool:
@@ -199,10 +200,10 @@ def plan_rank(
     e["flat_start"], e["flat_stop"] = flat[:, 0], flat[:, 1]
     e["crc_start"] = np.cumsum(crc_counts) - crc_counts
     names = [data_file_name(rank, f, save_tag) for f in range(files)] if n else []
-    items: list[list[tuple[int, Any]]] = [[] for _ in names]
-    for f, off, data in zip(file_of.tolist(), offsets.tolist(), c.data):
-        items[f].append((off, data))
-    sizes = [f_items[-1][0] + _nbytes(f_items[-1][1]) for f_items in items]
+    items: list[list[tuple[int, int, Any]]] = [[] for _ in names]
+    for f, off, length, data in zip(file_of.tolist(), offsets.tolist(), c.lengths, c.data):
+        items[f].append((off, length, data))
+    sizes = [f_items[-1][0] + f_items[-1][1] for f_items in items]
     write = RankWrite(root, names, items, block_bytes, sizes=sizes)
     piece = IndexPiece(
         files=names,
@@ -214,12 +215,6 @@ def plan_rank(
         dtypes=dtype_names,
     )
     return write, piece
-
-
-def _nbytes(data: Any) -> int:
-    if isinstance(data, torch.Tensor):
-        return data.numel() * data.element_size()
-    return len(data)
 
 
 # --------------------------------------------------------------------------- writing
@@ -237,7 +232,7 @@ def buffer_of(data: Any) -> Any:
 
 
 def _write_file(
-    fs: FileSystemIO, path: str, items: list[tuple[int, Any]], wr: RankWrite
+    fs: FileSystemIO, path: str, items: list[tuple[int, int, Any]], wr: RankWrite
 ) -> list[int]:
     """Write one data file; returns the checksums of its items, in order."""
     crcs: list[int] = []
@@ -248,12 +243,16 @@ def _write_file(
         pos = 0
         batch: list[Any] = []
         batch_at = batch_bytes = 0
-        for offset, data in items:
-            buf = buffer_of(data)
-            size = len(buf)
+        for offset, size, data in items:
+            if size == 0:
+                buf: Any = b""
+            elif type(data) is bytes:
+                buf = data
+            else:  # a contiguous CPU tensor of ``size`` bytes (staged)
+                buf = (ctypes.c_char * size).from_address(data.data_ptr())
             if block:  # checksummed as the bytes go out (one call for a small item)
                 if size <= block:
-                    crcs.append(crc(buf))
+                    crcs.append(_crc32c.crc32c(buf))
                 else:
                     crcs += block_crcs(buf, block)
             if fd is None:  # a stream (object storage): write it piece by piece
