@@ -268,3 +268,33 @@ def test_integrity_manifest_covers_raw_files(tmp_path: Path) -> None:
     manifest = (tmp_path / "integrity.json").read_text()
     assert INDEX_NAME in manifest and "__0_0.dcpraw" in manifest
     assert dc.load(_one_rank_state(0.0), tmp_path, verify_integrity=True)["o"] == {"scale": 1.0}
+
+
+def test_large_items_are_written_and_verified_in_pieces(tmp_path: Path) -> None:
+    """Items above the piece sizes (8 MiB written, 16 MiB read) between small ones in one
+    file: byte-exact, and a flipped bit deep inside names the offset of its block."""
+    big = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB
+    small = torch.arange(3, dtype=torch.float32)
+    sd = {
+        "a": ShardedTensor.from_rank_offsets("a", small.clone()),
+        "big": ShardedTensor.from_rank_offsets("big", big),
+        "z": ShardedTensor.from_rank_offsets("z", small + 1),
+    }
+    strategy = get_default_save_sharded_strategy(*RAW)
+    strategy.thread_count = 1
+    dc.save(sd, tmp_path, strategy)
+    request = {
+        k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v.data)) for k, v in sd.items()
+    }
+    out = dc.load(request, tmp_path)
+    assert all(same_bits(out[k], sd[k].data) for k in sd)
+    index = read_index(CheckpointDir.of(tmp_path))
+    row = index.rows_by_key["big"][0]
+    start = index.columns["offset"][row]
+    _flip(tmp_path / "__0_0.dcpraw", start + (17 << 20) + 3)
+    request = {
+        k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v.data)) for k, v in sd.items()
+    }
+    with pytest.raises(ChecksumMismatchError) as info:
+        dc.load(request, tmp_path)
+    assert info.value.key == "big" and info.value.offset == start + (17 << 20)

@@ -25,6 +25,7 @@ from ..storage.location import CheckpointDir
 from .index import RawIndex
 
 _IOV_MAX = 1024
+_LARGE = 16 << 20  # reads above this are verified piece by piece as they land
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Read:
     length: int
     dest: Any
     at: int  # the offset in the data file: the entry's offset + entry_offset
+    verified: bool = False
 
 
 def _read_all(fd: int, buffers: list[Any], offset: int, describe: Any) -> None:
@@ -136,6 +138,12 @@ class RawReader:
         start = pos = 0
         for r in reads:
             at = r.at
+            if self.verify and r.length > _LARGE:  # verified block by block as it lands
+                if batch:
+                    _read_all(fd, batch, start, describe)
+                    batch = []
+                self._read_large(fd, r, path, describe)
+                continue
             if batch and (at < pos or at - pos > self.max_gap or len(batch) >= _IOV_MAX - 1):
                 _read_all(fd, batch, start, describe)
                 batch = []
@@ -149,7 +157,28 @@ class RawReader:
         if batch:
             _read_all(fd, batch, start, describe)
 
+    def _read_large(self, fd: int, r: Read, path: str, describe: Any) -> None:
+        """Read a large item a few checksum blocks at a time, verifying each piece while
+        its bytes are still in the CPU cache (no second pass over memory)."""
+        bb = self.index.block_bytes
+        view = memoryview(r.dest).cast("B")
+        piece = max(bb, _LARGE // 2 // bb * bb)
+        first = self._crc_start[r.row] + r.entry_offset // bb
+        for start in range(0, r.length, piece):
+            part = view[start : start + piece]
+            _read_all(fd, [part], r.at + start, describe)
+            found = block_crcs(part, bb)
+            at = first + start // bb
+            expected = self._crcs[at : at + len(found)]
+            if found != expected:
+                bad = next(i for i, v in enumerate(found) if i >= len(expected) or v != expected[i])
+                exp = expected[bad] if bad < len(expected) else -1
+                self._mismatch(r, path, start // bb + bad, found[bad], exp)
+        r.verified = True
+
     def _check(self, r: Read, path: str) -> None:
+        if r.verified:
+            return
         bb = self.index.block_bytes
         first = self._crc_start[r.row] + r.entry_offset // bb
         if r.length <= bb:

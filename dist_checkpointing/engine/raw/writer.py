@@ -44,6 +44,7 @@ from .index import (
 
 _IOV_MAX = 1024  # buffers per pwritev call (Linux's IOV_MAX)
 _MAX_WRITE = 1 << 30  # bytes per pwritev call (Linux writes at most ~2 GiB per call)
+_PIECE = 8 << 20  # large items are checksummed and written in pieces of this size
 
 
 def data_file_name(rank: int, n: int, save_tag: str = "") -> str:
@@ -250,6 +251,14 @@ def _write_file(
                 buf = data
             else:  # a contiguous CPU tensor of ``size`` bytes (staged)
                 buf = (ctypes.c_char * size).from_address(data.data_ptr())
+            if fd is not None and size > _PIECE:  # large: checksum and write piece by piece
+                if batch or offset > pos:
+                    batch.append(bytes(offset - pos))
+                    _pwritev_all(fd, batch, batch_at if batch[:-1] else pos)
+                    batch, batch_bytes = [], 0
+                _write_large(fd, buf, offset, block, crcs)
+                pos = offset + size
+                continue
             if block:  # checksummed as the bytes go out (one call for a small item)
                 if size <= block:
                     crcs.append(_crc32c.crc32c(buf))
@@ -280,6 +289,18 @@ def _write_file(
     finally:
         stream.close()
     return crcs
+
+
+def _write_large(fd: int, buf: Any, offset: int, block: int, crcs: list[int]) -> None:
+    """One large item in pieces of about ``_PIECE`` bytes (whole checksum blocks), each
+    checksummed just before it is written, while its bytes are still in the CPU cache."""
+    view = memoryview(buf).cast("B")
+    piece = max(block, _PIECE // block * block) if block else _PIECE
+    for start in range(0, len(view), piece):
+        part = view[start : start + piece]
+        if block:
+            crcs += block_crcs(part, block)
+        _pwritev_all(fd, [part], offset + start)
 
 
 def _fileno(stream: Any) -> int | None:
