@@ -23,6 +23,7 @@ from ..storage.base import ReadStream
 from ..storage.checksums import block_crcs, crc
 from ..storage.location import CheckpointDir
 from .index import RawIndex
+from .writer import vectored_all
 
 _IOV_MAX = 1024
 _LARGE = 16 << 20  # reads above this are verified piece by piece as they land
@@ -45,18 +46,10 @@ class Read:
 
 
 def _read_all(fd: int, buffers: list[Any], offset: int, describe: Any) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    i = 0
-    while i < len(views):
-        got = os.preadv(fd, views[i : i + _IOV_MAX], offset)
-        if got <= 0:
-            raise CorruptCheckpointError(f"{describe()}: short read at byte {offset}")
-        offset += got
-        while i < len(views) and got >= len(views[i]):
-            got -= len(views[i])
-            i += 1
-        if got:
-            views[i] = views[i][got:]
+    def short(at: int) -> Exception:
+        return CorruptCheckpointError(f"{describe()}: short read at byte {at}")
+
+    vectored_all(os.preadv, fd, buffers, offset, short)
 
 
 def _read_stream(stream: ReadStream, buf: Any, offset: int, describe: Any) -> None:

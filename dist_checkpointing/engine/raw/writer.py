@@ -17,6 +17,7 @@ import ctypes
 import io
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -314,20 +315,37 @@ def _fileno(stream: Any) -> int | None:
     return fd if isinstance(fd, int) else None
 
 
-def _pwritev_all(fd: int, buffers: list[Any], offset: int) -> None:
-    """Write ``buffers`` back to back at ``offset`` (a short write continues)."""
+def vectored_all(
+    call: Callable[[int, list[memoryview], int], int],
+    fd: int,
+    buffers: list[Any],
+    offset: int,
+    on_short: Callable[[int], Exception],
+) -> None:
+    """``call`` (``os.pwritev`` or ``os.preadv``) over ``buffers`` back to back from
+    ``offset``, at most 1,024 buffers per call; a short transfer continues, none at all
+    raises ``on_short(offset)``."""
     views = [memoryview(b).cast("B") for b in buffers]
     i = 0
     while i < len(views):
-        written = os.pwritev(fd, views[i : i + _IOV_MAX], offset)
-        if written <= 0:
-            raise OSError(f"pwritev wrote {written} bytes at offset {offset}")
-        offset += written
-        while i < len(views) and written >= len(views[i]):
-            written -= len(views[i])
+        done = call(fd, views[i : i + _IOV_MAX], offset)
+        if done <= 0:
+            raise on_short(offset)
+        offset += done
+        while i < len(views) and done >= len(views[i]):
+            done -= len(views[i])
             i += 1
-        if written:
-            views[i] = views[i][written:]
+        if done:
+            views[i] = views[i][done:]
+
+
+def _short_write(offset: int) -> Exception:
+    return OSError(f"pwritev wrote nothing at offset {offset}")
+
+
+def _pwritev_all(fd: int, buffers: list[Any], offset: int) -> None:
+    """Write ``buffers`` back to back at ``offset`` (a short write continues)."""
+    vectored_all(os.pwritev, fd, buffers, offset, _short_write)
 
 
 def write_rank(wr: RankWrite) -> list[np.ndarray]:
@@ -344,4 +362,11 @@ def write_rank(wr: RankWrite) -> list[np.ndarray]:
     return [np.array(r, dtype="<u4") for r in results]
 
 
-__all__ = ["RankWrite", "buffer_of", "data_file_name", "plan_rank", "write_rank"]
+__all__ = [
+    "RankWrite",
+    "buffer_of",
+    "data_file_name",
+    "plan_rank",
+    "vectored_all",
+    "write_rank",
+]
