@@ -295,6 +295,29 @@ def _with_axis(offsets: list[int], sizes: list[int], axis: int, start: int, size
     return tuple(new_off), tuple(new_sizes)
 
 
+def box_intersection(a: Box, b: Box) -> Box | None:
+    """The box where boxes ``a`` and ``b`` overlap (None if they do not)."""
+    (a_off, a_sz), (b_off, b_sz) = a, b
+    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_sz, b_off, b_sz))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+    """The slices that select the box ``(offsets, sizes)``."""
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+
+
+def flat_range_rows(block: Sequence[int], fr: slice) -> tuple[int, int]:
+    """``[first, last)`` rows (axis 0) of ``block`` that the flat range ``fr`` touches."""
+    row = math.prod(block[1:])
+    if row == 0 or fr.stop <= fr.start:
+        return 0, 0
+    return fr.start // row, -(-fr.stop // row)
+
+
 def uncovered_boxes(global_shape: tuple[int, ...], boxes: Sequence[Box]) -> list[Box]:
     """Disjoint boxes covering what of the global tensor ``boxes`` do not cover."""
     remaining: list[Box] = [((0,) * len(global_shape), tuple(global_shape))]
@@ -307,6 +330,9 @@ __all__ = [
     "TensorBlock",
     "Box",
     "block_position_problem",
+    "box_intersection",
+    "box_slices",
+    "flat_range_rows",
     "box_minus",
     "data_problem",
     "flat_global_coordinates",

@@ -75,10 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("verify", help="completeness, file sizes and checksums; exit 0 or 1")
     p.add_argument("dir")
-    p = sub.add_parser("convert", help="to torch.save, safetensors, or a sharded checkpoint")
+    p = sub.add_parser(
+        "convert", help="to torch.save, safetensors, a sharded checkpoint, or the other layout"
+    )
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=("torch", "safetensors", "dist"))
+    p.add_argument(
+        "--to",
+        required=True,
+        choices=("torch", "safetensors", "dist", "torch_dist", "raw_bytes"),
+        help="torch/safetensors: files; dist: sharded from a file; torch_dist/raw_bytes: "
+        "a sharded checkpoint in that layout",
+    )
     p.add_argument("--keys", metavar="PATTERN", help="only tensors matching this glob")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (5GB)")
     p.add_argument("--ranks", type=int, default=1, help="ranks of the output (--to dist)")

@@ -24,7 +24,7 @@ from .source import (
 )
 from .ui import CliError, human_bytes, table
 
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+_RANK_FILE = re.compile(r"__(\d+)_\d+(\.[0-9a-f]+)?\.(distcp|dcpraw)$")
 
 
 def _summary(ckpt: Checkpoint, pattern: str | None) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""``convert``: a sharded checkpoint to one ``torch.save`` file or to Hugging Face
-style safetensors shards, and a ``torch.save``/safetensors file to a sharded
-checkpoint for N ranks.
+"""``convert``: a sharded checkpoint to one ``torch.save`` file, to Hugging Face
+style safetensors shards, or to the other sharded layout (``torch_dist`` <->
+``raw_bytes``, :mod:`.relayout`), and a ``torch.save``/safetensors file to a
+sharded checkpoint for N ranks.
 
 From a sharded checkpoint, tensors are read one at a time. Safetensors output
 holds at most one tensor in memory; a ``torch.save`` file needs all of them at
@@ -190,10 +191,26 @@ def _to_dist(args: argparse.Namespace) -> int:
     return 0
 
 
+def _to_layout(args: argparse.Namespace) -> int:
+    from .relayout import relayout
+
+    if not os.path.isfile(os.path.join(args.src, "metadata.json")):
+        raise CliError(f"{args.src}: not a sharded checkpoint of ours (no metadata.json)")
+    if args.keys is not None:
+        raise CliError("--keys is not supported with --to torch_dist/raw_bytes (all is converted)")
+    _check_destination(args.dst, is_dir=True)
+    os.makedirs(args.dst, exist_ok=True)
+    count = relayout(args.src, args.dst, args.to, file_backed)
+    print(f"wrote {count} tensor(s) in the {args.to} layout to {args.dst}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace, bar_on: bool | None = None) -> int:
     try:
         if args.to == "dist":
             return _to_dist(args)
+        if args.to in ("torch_dist", "raw_bytes"):
+            return _to_layout(args)
         return _from_checkpoint(args, bar_on)
     except (CheckpointingException, OSError) as e:
         raise CliError(one_line(e)) from e

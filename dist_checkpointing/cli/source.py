@@ -1,6 +1,6 @@
 """A checkpoint opened by the CLI, in one process, through the public API.
 
-Checkpoints with a ``metadata.json`` (ours, Megatron-Core's) are read with
+Checkpoints with a ``metadata.json`` (ours in either layout, Megatron-Core's) are read with
 :func:`dist_checkpointing.load` and friends; a plain PyTorch DCP checkpoint
 (``.metadata`` only) is read with the ``torch_dist`` load strategy directly.
 Nothing is unpickled except through the library's restricted loaders, and a
@@ -21,6 +21,9 @@ import torch
 from .. import serialization
 from .._torch_compat import METADATA_FILE_NAME
 from ..core import CheckpointingConfig, maybe_load_config
+from ..engine.raw.index import DATA_SUFFIX as RAW_DATA_SUFFIX
+from ..engine.raw.index import INDEX_NAME as RAW_INDEX
+from ..engine.raw.load import read_index as read_raw_index
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.reader import FileSystemReader
 from ..engine.storage.resolve import is_url
@@ -31,6 +34,7 @@ from ..strategies.torch import TorchDistLoadShardedStrategy
 from .ui import CliError
 
 CONFIG_FNAME = "metadata.json"
+RAW_BACKEND = "raw_bytes"
 
 
 @dataclass
@@ -54,7 +58,7 @@ class Checkpoint:
 
     path: str
     config: CheckpointingConfig | None  # None: plain DCP (no metadata.json)
-    metadata: Any  # torch.distributed.checkpoint.metadata.Metadata
+    metadata: Any  # torch.distributed.checkpoint.metadata.Metadata (None for raw_bytes)
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     objects: list[str] = field(default_factory=list)
 
@@ -142,6 +146,21 @@ def is_checkpoint_dir(path: str) -> bool:
         raise CliError(f"{path}: {one_line(e)}") from e
 
 
+def _describe_raw(ckpt: Checkpoint) -> None:
+    """Tensors and objects of a ``raw_bytes`` checkpoint, from its index."""
+    index = read_raw_index(CheckpointDir.of(ckpt.path))
+    lengths = index.columns["length"]
+    shapes = serialization.load_tensors_metadata(ckpt.path)
+    for key, rows in index.rows_by_key.items():
+        if key in shapes:
+            sh = shapes[key]
+            stored = sum(lengths[r] for r in rows)
+            ckpt.tensors[key] = TensorInfo(key, tuple(sh.global_shape), sh.dtype, len(rows), stored)
+        else:
+            ckpt.objects.append(key)
+    ckpt.objects.sort()
+
+
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open a complete checkpoint; :class:`CliError` (one line) otherwise."""
     path = os.fspath(path)
@@ -152,7 +171,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         config = maybe_load_config(path)
         if config is not None:
             serialization.verify_checkpoint_and_load_strategy(path)
-        elif not ckpt_dir.has(METADATA_FILE_NAME):
+        if config is not None and config.sharded_backend == RAW_BACKEND:
+            ckpt = Checkpoint(path, config, None)
+            _describe_raw(ckpt)
+            return ckpt
+        if config is None and not ckpt_dir.has(METADATA_FILE_NAME):
             raise CliError(f"{path}: {incomplete_reason(path)}")
         metadata = FileSystemReader(ckpt_dir).read_metadata()
         ckpt = Checkpoint(path, config, metadata)
@@ -165,11 +188,17 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 def incomplete_reason(path: str) -> str:
     """Why ``path`` is not a complete checkpoint (or "" if it has both markers)."""
     names = set(os.listdir(path) if not is_url(path) else CheckpointDir.of(path).listdir())
-    has_data = any(n.endswith(".distcp") or n == "common.pt" for n in names)
+    has_data = any(
+        n.endswith(".distcp") or n.endswith(RAW_DATA_SUFFIX) or n == "common.pt" for n in names
+    )
     if CONFIG_FNAME not in names and METADATA_FILE_NAME not in names:
         if has_data:
             return "incomplete checkpoint: metadata.json and .metadata are missing (the save never finished)"
         return "not a checkpoint (no metadata.json, no .metadata)"
+    if RAW_INDEX in names or any(n.endswith(RAW_DATA_SUFFIX) for n in names):
+        if RAW_INDEX not in names:
+            return f"incomplete checkpoint: {RAW_INDEX} is missing"
+        return ""
     if METADATA_FILE_NAME not in names:
         return "incomplete checkpoint: .metadata is missing"
     return ""

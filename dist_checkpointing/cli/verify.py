@@ -4,9 +4,10 @@
 format records today:
 
 1. completeness: the commit marker ``metadata.json`` and the format's
-   ``.metadata`` exist and parse (restricted unpickler);
-2. every data file named by ``.metadata``'s storage entries exists and is at
-   least as long as the last item stored in it;
+   metadata (``.metadata``, restricted unpickler; ``.raw_index`` for ``raw_bytes``)
+   exist and parse;
+2. every data file named by that metadata exists and is at least as long as the
+   last item stored in it;
 3. the common state exists (``common.pt`` or a ``common_state`` item);
 4. when ``integrity.json`` exists, every file it lists is re-digested (sha256)
    and every data file is listed.
@@ -25,11 +26,13 @@ from .._torch_compat import METADATA_FILE_NAME
 from ..core import maybe_load_config
 from ..engine.checkpoint import integrity
 from ..engine.checkpoint.verify import verify
+from ..engine.raw.index import INDEX_NAME as RAW_INDEX
+from ..engine.raw.load import read_index as read_raw_index
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.reader import FileSystemReader
 from ..errors import CheckpointingException
 from ..strategies.common import COMMON_STATE_OBJECT_KEY
-from .source import CONFIG_FNAME, file_sizes, is_checkpoint_dir, one_line
+from .source import CONFIG_FNAME, RAW_BACKEND, file_sizes, is_checkpoint_dir, one_line
 from .ui import Progress
 
 _CHUNK = 8 << 20
@@ -66,6 +69,10 @@ def _check_sizes(metadata: object, sizes: dict[str, int], report: VerifyReport) 
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         end = int(info.offset) + int(info.length)
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    return _compare_sizes(needed, sizes, report)
+
+
+def _compare_sizes(needed: dict[str, int], sizes: dict[str, int], report: VerifyReport) -> set[str]:
     for name, end in sorted(needed.items()):
         if name not in sizes:
             report.problems.append(f"{name}: data file missing")
@@ -75,6 +82,20 @@ def _check_sizes(metadata: object, sizes: dict[str, int], report: VerifyReport) 
             report.checked_files += 1
             report.checked_bytes += sizes[name]
     return set(needed)
+
+
+def _check_raw_sizes(ckpt: CheckpointDir, sizes: dict[str, int], report: VerifyReport) -> set[str]:
+    """Data files of a ``raw_bytes`` checkpoint: present and as long as their last item."""
+    if RAW_INDEX not in sizes:
+        report.problems.append(f"{RAW_INDEX} missing")
+        return set()
+    index = read_raw_index(ckpt)
+    c = index.columns
+    needed = dict.fromkeys(index.files, 0)
+    for row in range(len(index.entries)):
+        name = index.files[c["file"][row]]
+        needed[name] = max(needed[name], c["offset"][row] + c["length"][row])
+    return _compare_sizes(needed, sizes, report)
 
 
 def digest_bytes(path: str) -> int:
@@ -130,12 +151,18 @@ def verify_checkpoint(path: str | os.PathLike[str], bar: Progress | None = None)
             report.problems.append(
                 f"{CONFIG_FNAME} missing (the save did not finish, or plain DCP)"
             )
-        if METADATA_FILE_NAME not in sizes:
-            report.problems.append(f"{METADATA_FILE_NAME} missing")
-            return report
-        metadata = FileSystemReader(ckpt).read_metadata()
-        data_files = _check_sizes(metadata, sizes, report)
-        has_common = COMMON_STATE_OBJECT_KEY in metadata.state_dict_metadata or "common.pt" in sizes
+        if config is not None and config.sharded_backend == RAW_BACKEND:
+            data_files = _check_raw_sizes(ckpt, sizes, report)
+            has_common = "common.pt" in sizes
+        else:
+            if METADATA_FILE_NAME not in sizes:
+                report.problems.append(f"{METADATA_FILE_NAME} missing")
+                return report
+            metadata = FileSystemReader(ckpt).read_metadata()
+            data_files = _check_sizes(metadata, sizes, report)
+            has_common = (
+                COMMON_STATE_OBJECT_KEY in metadata.state_dict_metadata or "common.pt" in sizes
+            )
         if config is not None and not has_common:
             report.problems.append("common state missing (no common.pt, no common_state item)")
         _check_digests(ckpt, data_files, sizes, report, bar)

@@ -1,7 +1,8 @@
 """Save/load strategies (Megatron-Core's ``dist_checkpointing.strategies`` path).
 
 Importing this package registers the built-in default strategies (``torch_dist``
-v1 for the sharded part, ``torch`` v1 for the common part) through a provider
+v1, the default, and ``raw_bytes`` v1 for the sharded part, ``torch`` v1 for the
+common part) through a provider
 (:func:`.base.add_default_provider`), so :mod:`.base` never imports them.
 """
 
@@ -20,12 +21,14 @@ from .base import (
     registered_strategies,
 )
 from .common import register_default_common_strategies
+from .raw_bytes import register_default_raw_bytes_strategies
 from .torch import register_default_torch_strategies
 
 
 def register_builtin_strategies() -> None:
     """Register the strategies shipped with the library (idempotent)."""
     register_default_torch_strategies()
+    register_default_raw_bytes_strategies()
     register_default_common_strategies()
 
 

@@ -28,6 +28,7 @@ from dist_checkpointing.strategies.base import (
     registered_strategies,
 )
 from dist_checkpointing.strategies.common import TorchCommonLoadStrategy, TorchCommonSaveStrategy
+from dist_checkpointing.strategies.raw_bytes import RawBytesSaveShardedStrategy
 from dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
@@ -88,9 +89,15 @@ def test_builtin_strategies_register_on_lookup() -> None:
     assert isinstance(
         get_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1), TorchCommonSaveStrategy
     )
+    assert isinstance(
+        get_default_strategy(StrategyAction.SAVE_SHARDED, "raw_bytes", 1),
+        RawBytesSaveShardedStrategy,
+    )
     assert set(registered_strategies()) == {
         ("load_sharded", "torch_dist", 1),
         ("save_sharded", "torch_dist", 1),
+        ("load_sharded", "raw_bytes", 1),
+        ("save_sharded", "raw_bytes", 1),
         ("load_common", "torch", 1),
         ("save_common", "torch", 1),
     }

@@ -272,7 +272,12 @@ def cleanup(
         leftover = name.endswith(PENDING_SUFFIX) or name.endswith(".tmp") and owns_file(name[:-4])
         if not leftover and keep is not None and owns_file(name):
             leftover = name not in keep
-        if not leftover and keep is None and ".distcp" in name and _tagged(name):
+        if (
+            not leftover
+            and keep is None
+            and (".distcp" in name or owns_file(name))
+            and _tagged(name)
+        ):
             leftover = True  # tagged data files of a save that never committed
         if leftover:
             logger.info("%s: removing %s (not part of the committed checkpoint)", ckpt, name)

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...errors import CorruptCheckpointError, IncompleteCheckpointError
+from ...errors import CheckpointingException, CorruptCheckpointError, IncompleteCheckpointError
 from ..collectives import ProcessGroup, RankGroup
+from ..raw.index import INDEX_NAME as RAW_INDEX
+from ..raw.index import parse_index, raw_items_by_file
 from ..storage.base import ReadStream
 from ..storage.checksums import DataFileEntry, FileEntry, ItemChecksum, crc
 from ..storage.location import CheckpointDir
@@ -78,11 +81,18 @@ def _check_item(stream: ReadStream, path: str, item: ItemChecksum, block: int) -
     return None
 
 
-def _check_data_file(ckpt: CheckpointDir, name: str, entry: DataFileEntry, block: int) -> list[str]:
+def _check_data_file(
+    ckpt: CheckpointDir, name: str, entry: DataFileEntry, block: int, layout: _LayoutItems
+) -> list[str]:
     path = ckpt.path(name)
     problems = []
+    items = entry.items
+    if not items:  # a layout that keeps its item checksums in its own index
+        items, block, problem = layout(name)
+        if problem:
+            return [problem]
     with ckpt.open_read(name) as stream:
-        for item in entry.items:
+        for item in items:
             stream.seek(item.offset)
             problem = _check_item(stream, path, item, block)
             if problem:
@@ -90,7 +100,36 @@ def _check_data_file(ckpt: CheckpointDir, name: str, entry: DataFileEntry, block
     return problems
 
 
-def _check_file(ckpt: CheckpointDir, record: CommitRecord, name: str) -> list[str]:
+_LayoutItems = Callable[[str], tuple[list[ItemChecksum], int, str | None]]
+
+
+def _raw_index_items(ckpt: CheckpointDir, record: CommitRecord) -> _LayoutItems:
+    """The item checksums of each data file from the ``raw_bytes`` index, when the
+    commit record names one (parsed once, on first use)."""
+    parsed: dict[str, dict[str, list[ItemChecksum]] | str] = {}
+
+    def items_of(name: str) -> tuple[list[ItemChecksum], int, str | None]:
+        if RAW_INDEX not in record.files:
+            return [], record.block_bytes, None
+        if "index" not in parsed:
+            try:
+                with ckpt.open_read(RAW_INDEX) as stream:
+                    index = parse_index(stream.read(), ckpt.path(RAW_INDEX))
+                parsed["index"] = raw_items_by_file(index)
+                parsed["block"] = str(index.block_bytes)
+            except CheckpointingException as exc:
+                parsed["index"] = f"{ckpt.path(RAW_INDEX)}: unreadable ({exc})"
+        by_file = parsed["index"]
+        if isinstance(by_file, str):
+            return [], 0, by_file
+        return by_file.get(name, []), int(str(parsed["block"])), None
+
+    return items_of
+
+
+def _check_file(
+    ckpt: CheckpointDir, record: CommitRecord, name: str, layout: _LayoutItems
+) -> list[str]:
     if not ckpt.has(name):
         return [f"{ckpt.path(name)}: missing"]
     expected = record.files[name].size if name in record.files else record.data_files[name].size
@@ -99,7 +138,7 @@ def _check_file(ckpt: CheckpointDir, record: CommitRecord, name: str) -> list[st
         return [f"{ckpt.path(name)}: {size} bytes, recorded {expected} (truncated or replaced)"]
     if name in record.files:
         return _check_whole(ckpt, name, record.files[name], record.block_bytes)
-    return _check_data_file(ckpt, name, record.data_files[name], record.block_bytes)
+    return _check_data_file(ckpt, name, record.data_files[name], record.block_bytes, layout)
 
 
 def _check_legacy(ckpt: CheckpointDir) -> list[str]:
@@ -134,8 +173,9 @@ def verify(
     else:
         sizes = {n: e.size for n, e in record.files.items()}
         sizes.update({n: e.size for n, e in record.data_files.items()})
+        layout = _raw_index_items(ckpt, record)
         for name in _share(sizes, group.world, group.rank):
-            problems += _check_file(ckpt, record, name)
+            problems += _check_file(ckpt, record, name, layout)
             checked[0] += 1
             checked[1] += sizes[name]
     gathered = group.all_gather((problems, checked))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..._shard_geometry import flat_range_rows
 from ...mapping import ShardedTensor
 
 # Key of Metadata.mcore_data entries that record a reformulated tensor's logical shape.
@@ -63,9 +64,11 @@ def stored_chunk(sh: ShardedTensor) -> StoredChunk:
     )
 
 
-def flat_range_rows(block: tuple[int, ...], fr: slice) -> tuple[int, int]:
-    """``[first, last)`` rows (axis 0) of ``block`` that the flat range ``fr`` touches."""
-    row = math.prod(block[1:])
-    if row == 0 or fr.stop <= fr.start:
-        return 0, 0
-    return fr.start // row, -(-fr.stop // row)
+__all__ = [
+    "ND_REFORMULATED_SHAPE_KEY",
+    "StoredChunk",
+    "block_shape",
+    "flat_range_rows",
+    "reformulated_global_shape",
+    "stored_chunk",
+]

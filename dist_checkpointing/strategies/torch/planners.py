@@ -56,13 +56,14 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from ..._shard_geometry import box_slices
 from ...errors import CorruptCheckpointError, KeyMismatchError, ShapeMismatchError
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
 from .layout import (
     ND_REFORMULATED_SHAPE_KEY,
     stored_chunk,
 )
-from .read_planning import ReadLayout, box_slices, read_items
+from .read_planning import ReadLayout, read_items
 
 logger = logging.getLogger(__name__)
 

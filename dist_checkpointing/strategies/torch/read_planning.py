@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..._shard_geometry import box_intersection, box_slices
 from ...errors import CorruptCheckpointError
 from ...mapping import ShardedTensor
 from .layout import (
@@ -61,18 +62,10 @@ def _contiguous_dest(dest: torch.Tensor, dtype: torch.dtype) -> bool:
     return dest.dtype == dtype and dest.is_contiguous()
 
 
-def box_slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-
-
 def _intersect(
     a_off: tuple[int, ...], a_sz: tuple[int, ...], b_off: tuple[int, ...], b_sz: tuple[int, ...]
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
-    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_sz, b_off, b_sz))
-    if any(h <= low for low, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - low for low, h in zip(lo, hi))
+    return box_intersection((a_off, a_sz), (b_off, b_sz))
 
 
 def read_items(

@@ -30,6 +30,7 @@ from ...engine import knobs
 from ...engine.async_save.request import AsyncRequest
 from ...engine.checkpoint import commit
 from ...engine.collectives import raise_on_all_ranks
+from ...engine.raw.index import is_raw_bytes_file
 from ...engine.safety import safe_torch_load
 from ...engine.storage.bucketing import is_data_file_of
 from ...engine.storage.location import CheckpointDir
@@ -155,7 +156,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         ]
 
     def owns_file(self, name: str) -> bool:
-        return name in self.commit_files or name.endswith(DATA_FILE_SUFFIX)
+        # The raw_bytes layout's files too: a torch_dist save over a raw_bytes
+        # checkpoint replaces them (and deletes them once committed).
+        return (
+            name in self.commit_files or name.endswith(DATA_FILE_SUFFIX) or is_raw_bytes_file(name)
+        )
 
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]

@@ -1,0 +1,109 @@
+"""Loading from a ``raw_bytes`` checkpoint: the index, the request, the metadata.
+
+Call sequence of one load (every rank, no collective here; the strategy raises a
+failure on every rank):
+
+1. :func:`read_index`: ``.raw_index`` read through the checkpoint handle (checked
+   against the commit record), parsed once per handle;
+2. :func:`load_leaves`: plan every requested leaf (:mod:`.load_plan`), read
+   (:mod:`.reader`), run the copies, unpickle the objects with the caller's
+   restricted loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+from ..storage.location import CheckpointDir
+from .index import INDEX_NAME, KIND_FLAT, KIND_OBJECT, RawIndex, parse_index
+from .load_plan import LoadPlanner, finish_objects
+from .reader import RawReader
+
+
+def read_index(ckpt: CheckpointDir) -> RawIndex:
+    """The checkpoint's parsed index (parsed once per handle)."""
+    return ckpt.memo(
+        INDEX_NAME, lambda: parse_index(ckpt.read_bytes(INDEX_NAME), ckpt.path(INDEX_NAME))
+    )
+
+
+def verifying(ckpt: CheckpointDir) -> bool:
+    """Whether this load verifies checksums (the commit protocol set it up to)."""
+    return ckpt.context.on_read is not None
+
+
+def load_leaves(
+    leaves: Iterable[ShardedBase],
+    ckpt: CheckpointDir,
+    load_object: Callable[[bytes, str], Any],
+) -> None:
+    """Fill every leaf: tensors in place (``data`` allocated on the CPU if None),
+    objects' ``data`` set to the unpickled payload."""
+    index = read_index(ckpt)
+    planner = LoadPlanner(index)
+    for sh in leaves:
+        if isinstance(sh, ShardedTensor):
+            if sh.data is None:
+                sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
+            fr = sh.flattened_range
+            if fr is not None and fr.stop <= fr.start:
+                continue
+            planner.add_tensor(sh)
+        elif isinstance(sh, ShardedObject):
+            planner.add_object(sh)
+    plan = planner.finish()
+    RawReader(ckpt, index, verifying(ckpt)).run(plan.reads)
+    for copy in plan.copies:
+        copy()
+    finish_objects(plan, load_object)
+
+
+def tensors_metadata(index: RawIndex) -> ShardedStateDict:
+    """Data-less ShardedTensors (global shape and dtype) of every stored tensor."""
+    out: ShardedStateDict = {}
+    kinds = index.columns["kind"]
+    for key, rows in index.rows_by_key.items():
+        row = rows[0]
+        if kinds[row] == KIND_OBJECT:
+            continue
+        shape, _, _ = index.box(row)
+        dtype = index.dtype_of(row)
+        if kinds[row] == KIND_FLAT:
+            numel = int(torch.Size(shape).numel())
+            flat = torch.empty(numel, dtype=dtype, device="meta")
+            out[key] = ShardedTensor.from_rank_offsets_flat(
+                key, flat, shape, flattened_range=slice(0, numel)
+            ).without_data()
+        else:
+            meta = torch.empty(shape, dtype=dtype, device="meta")
+            out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
+    return out
+
+
+def objects_metadata(index: RawIndex) -> ShardedStateDict:
+    """Data-less ShardedObjects of every stored object, by unique key."""
+    kinds = index.columns["kind"]
+    out: ShardedStateDict = {}
+    for key, rows in index.rows_by_key.items():
+        if kinds[rows[0]] == KIND_OBJECT:
+            obj = ShardedObject.empty_from_unique_key(key)
+            out[obj.unique_key] = obj
+    return out
+
+
+def files_holding(index: RawIndex, keys: set[str]) -> set[str]:
+    """Names of the data files holding entries of ``keys``."""
+    files = index.columns["file"]
+    return {
+        index.files[files[row]]
+        for key, rows in index.rows_by_key.items()
+        if key in keys
+        for row in rows
+    }
+
+
+__all__ = ["files_holding", "load_leaves", "objects_metadata", "read_index", "tensors_metadata"]

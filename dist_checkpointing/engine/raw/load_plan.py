@@ -1,0 +1,292 @@
+"""Planning a ``raw_bytes`` load: which stored bytes land where, for any layout.
+
+Every request (a ShardedTensor block, a flat range of one, or a ShardedObject)
+is matched against the stored entries of its key in the index:
+
+- the same chunk stored (the layout did not change): one :class:`~.reader.Read`
+  straight into the destination tensor's memory;
+- otherwise the request becomes a *target box* (the block, or the rows of the
+  block a flat range touches), filled from every stored entry whose box meets
+  it. A stored grid chunk contributes the rows that meet the box (read straight
+  into the destination when those rows are one contiguous run of it, else into
+  a staging buffer); a stored flat range contributes through its whole block,
+  assembled once per load from the block's flat entries (each read straight
+  into its slice of the block). The box overlaps are then copied with torch
+  slicing, and a staging box is copied into the destination last.
+
+Reads that cover part of an entry start and end on checksum block boundaries
+(the extra bytes are at most one block on each side), so the reader can verify
+every block it reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..._shard_geometry import box_intersection, box_slices, flat_range_rows
+from ...errors import CheckpointingException, CorruptCheckpointError, ShapeMismatchError
+from ...mapping import ShardedObject, ShardedTensor
+from .index import DTYPES, ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
+from .reader import Read
+from .writer import buffer_of
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass
+class LoadPlan:
+    """The reads of one load, then the copies that run once every read is done."""
+
+    reads: list[Read] = field(default_factory=list)
+    copies: list[Callable[[], None]] = field(default_factory=list)
+    objects: list[tuple[ShardedObject, bytearray]] = field(default_factory=list)
+
+
+def _host_view(
+    data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor | None:
+    """``data`` viewed as ``shape`` if reads may land in it directly."""
+    if data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous():
+        return None
+    return data.view(shape)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src.reshape(dst.shape))
+
+
+class LoadPlanner:
+    """Builds the :class:`LoadPlan` of one rank's request (see the module docstring)."""
+
+    def __init__(self, index: RawIndex) -> None:
+        self.index = index
+        c = index.columns
+        self._offsets, self._length = c["offset"], c["length"]
+        self._kind, self._ndim, self._dims_start = c["kind"], c["ndim"], c["dims_start"]
+        self._flat_start, self._flat_stop, self._dtype = c["flat_start"], c["flat_stop"], c["dtype"]
+        self._dims = index.dims_list
+        self._by_key = index.rows_by_key
+        self._dtypes = [DTYPES[name] for name in index.dtypes]
+        self.plan = LoadPlan()
+        self._blocks: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._block_copies: list[Callable[[], None]] = []
+
+    def finish(self) -> LoadPlan:
+        self.plan.copies = self._block_copies + self.plan.copies
+        return self.plan
+
+    # ------------------------------------------------------------------ requests
+
+    def _rows(self, key: str) -> list[int]:
+        rows = self.index.rows_by_key.get(key)
+        if not rows:
+            raise CheckpointingException(f"'{key}' is not stored in the checkpoint")
+        return rows
+
+    def add_object(self, sh: ShardedObject) -> None:
+        key = sh.unique_key
+        kinds = self.index.columns["kind"]
+        rows = [r for r in self._rows(key) if kinds[r] == KIND_OBJECT]
+        if not rows:
+            raise CheckpointingException(f"'{key}' is stored as a tensor, requested as an object")
+        buf = bytearray(self.index.columns["length"][rows[0]])
+        self.plan.reads.append(self._read(rows[0], 0, len(buf), buf))
+        self.plan.objects.append((sh, buf))
+
+    def add_tensor(self, sh: ShardedTensor) -> None:
+        data = sh.data
+        assert data is not None
+        rows = self._by_key.get(sh.key) or self._rows(sh.key)
+        d = self._dims
+        first = rows[0]
+        n, at = self._ndim[first], self._dims_start[first]
+        gshape = list(sh.global_shape)
+        if d[at : at + n] != gshape and not sh.allow_shape_mismatch:
+            raise ShapeMismatchError(
+                f"'{sh.key}': requested global shape {tuple(gshape)}, the checkpoint "
+                f"stores {tuple(d[at : at + n])}"
+            )
+        block = [1] * sh.prepend_axis_num + list(sh.local_shape)
+        offset = list(sh.global_offset)
+        fr = sh.flattened_range
+        kind = KIND_GRID if fr is None else KIND_FLAT
+        kinds, starts, ndims = self._kind, self._dims_start, self._ndim
+        for row in rows:  # the same chunk stored: one read straight into the request
+            n, at = ndims[row], starts[row]
+            if kinds[row] != kind or d[at + n : at + 2 * n] != offset:
+                continue
+            if d[at + 2 * n : at + 3 * n] != block:
+                continue
+            if fr is not None and (self._flat_start[row], self._flat_stop[row]) != (
+                fr.start,
+                fr.stop,
+            ):
+                continue
+            self._add_exact(row, data)
+            return
+        self._add_boxes(sh, rows, tuple(offset), tuple(block))
+
+    def _add_exact(self, row: int, data: torch.Tensor) -> None:
+        dtype = self._dtypes[self._dtype[row]]
+        length = self._length[row]
+        if data.dtype == dtype and data.is_cpu and data.is_contiguous():
+            dest = data
+        else:
+            dest = torch.empty(data.shape, dtype=dtype)
+            self.plan.copies.append(partial(_copy, data, dest))
+        buf = (ctypes.c_char * length).from_address(dest.data_ptr()) if length else b""
+        self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
+
+    def _read(self, row: int, entry_offset: int, length: int, dest: Any) -> Read:
+        return Read(row, entry_offset, length, dest, self._offsets[row] + entry_offset)
+
+    # ------------------------------------------------------------------ resharding
+
+    def _add_boxes(
+        self, sh: ShardedTensor, rows: list[int], offset: tuple[int, ...], block: tuple[int, ...]
+    ) -> None:
+        data = sh.data
+        assert data is not None
+        dtype = self.index.dtype_of(rows[0])
+        fr = sh.flattened_range
+        finish: Callable[[torch.Tensor], None] | None = None
+        if fr is None:
+            box: Box = (offset, block)
+            out = _host_view(data, dtype, block)
+            if out is None:
+                out = self._alloc(block, dtype, sh.allow_shape_mismatch)
+
+                def finish(o: torch.Tensor) -> None:
+                    data.copy_(o.reshape(data.shape))
+        else:
+            first, last = flat_range_rows(block, fr)
+            box = ((offset[0] + first,) + offset[1:], (last - first,) + block[1:])
+            out = self._alloc(box[1], dtype, sh.allow_shape_mismatch)
+            start = fr.start - first * math.prod(block[1:])
+
+            def finish(o: torch.Tensor) -> None:
+                data.copy_(o.reshape(-1)[start : start + data.numel()])
+
+        covered = 0
+        seen: set[tuple[int, ...]] = set()  # flat blocks already used (one per block)
+        for row in rows:
+            covered += self._fill_from(row, sh.key, box, out, seen)
+        if covered != math.prod(box[1]) and not sh.allow_shape_mismatch:
+            raise CorruptCheckpointError(
+                f"'{sh.key}': the checkpoint's chunks cover {covered} of the "
+                f"{math.prod(box[1])} requested elements at offsets {box[0]}"
+            )
+        if finish is not None:
+            self.plan.copies.append(partial(finish, out))
+
+    @staticmethod
+    def _alloc(shape: tuple[int, ...], dtype: torch.dtype, zeros: bool) -> torch.Tensor:
+        return (torch.zeros if zeros else torch.empty)(shape, dtype=dtype)
+
+    def _fill_from(
+        self, row: int, key: str, box: Box, out: torch.Tensor, seen: set[tuple[int, ...]]
+    ) -> int:
+        """Plan what entry ``row`` contributes to ``out`` (the target ``box``); returns
+        the number of elements it covers."""
+        c = self.index.columns
+        _, o, s = self.index.box(row)
+        inter = box_intersection((o, s), box)
+        if inter is None:
+            return 0
+        lo, size = inter
+        dst = out[box_slices(tuple(a - b for a, b in zip(lo, box[0])), size)]
+        if c["kind"][row] == KIND_FLAT:
+            if o in seen:
+                return 0
+            seen.add(o)
+            stored = self._flat_block(key, o, s, self.index.dtype_of(row))
+            src = stored[box_slices(tuple(a - b for a, b in zip(lo, o)), size)]
+            self.plan.copies.append(partial(_copy, dst, src))
+        elif c["kind"][row] == KIND_GRID:
+            self._rows_of_grid(row, o, s, lo, size, dst)
+        else:
+            raise CheckpointingException(f"'{key}' is stored as an object, requested as a tensor")
+        return math.prod(size)
+
+    def _rows_of_grid(
+        self,
+        row: int,
+        o: tuple[int, ...],
+        s: tuple[int, ...],
+        lo: tuple[int, ...],
+        size: tuple[int, ...],
+        dst: torch.Tensor,
+    ) -> None:
+        """Read the rows (axis 0) of grid entry ``row`` that meet the box ``(lo, size)``."""
+        dtype = self.index.dtype_of(row)
+        itemsize = ITEMSIZE[dtype]
+        length = self.index.columns["length"][row]
+        if not s:  # a 0-d tensor: its one element
+            r0, r1, row_bytes = 0, 1, length
+        else:
+            r0, r1 = lo[0] - o[0], lo[0] - o[0] + size[0]
+            row_bytes = math.prod(s[1:]) * itemsize
+        want_lo, want_hi = r0 * row_bytes, r1 * row_bytes
+        whole = want_lo == 0 and want_hi == length
+        if whole and tuple(size[1:]) == tuple(s[1:]) and dst.is_contiguous() and dst.dtype == dtype:
+            self.plan.reads.append(self._read(row, 0, length, buffer_of(dst)))
+            return
+        lo_b, hi_b = self._block_bounds(want_lo, want_hi, length)
+        buf = torch.empty(hi_b - lo_b, dtype=torch.uint8)
+        self.plan.reads.append(self._read(row, lo_b, hi_b - lo_b, buffer_of(buf)))
+        rows_shape = (r1 - r0,) + tuple(s[1:])
+        sub = tuple(slice(a - b, a - b + n) for a, b, n in zip(lo[1:], o[1:], size[1:]))
+
+        def copy() -> None:
+            part = buf[want_lo - lo_b : want_hi - lo_b].view(dtype).view(rows_shape)
+            dst.copy_(part[(slice(None),) + sub] if s else part.reshape(dst.shape))
+
+        self.plan.copies.append(copy)
+
+    def _block_bounds(self, lo: int, hi: int, length: int) -> tuple[int, int]:
+        """``[lo, hi)`` widened to whole checksum blocks of an entry of ``length`` bytes."""
+        bb = self.index.block_bytes
+        if not bb:
+            return lo, hi
+        return lo // bb * bb, min(-(-hi // bb) * bb, length)
+
+    def _flat_block(
+        self, key: str, o: tuple[int, ...], s: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The stored block at ``o`` assembled from its flat entries (once per load)."""
+        cached = self._blocks.get((key, o))
+        if cached is not None:
+            return cached
+        c = self.index.columns
+        block = torch.empty(math.prod(s), dtype=dtype)
+        covered = 0
+        for row in self.index.rows_by_key[key]:
+            if c["kind"][row] != KIND_FLAT or self.index.box(row)[1] != o:
+                continue
+            a, b = c["flat_start"][row], c["flat_stop"][row]
+            self.plan.reads.append(self._read(row, 0, c["length"][row], buffer_of(block[a:b])))
+            covered += b - a
+        if covered != block.numel():
+            raise CorruptCheckpointError(
+                f"'{key}': the flat ranges stored for the block at {o} cover {covered} of its "
+                f"{block.numel()} elements"
+            )
+        shaped = block.view(s)
+        self._blocks[(key, o)] = shaped
+        return shaped
+
+
+def finish_objects(plan: LoadPlan, load: Callable[[bytes, str], Any]) -> None:
+    """Unpickle the objects read (through ``load``, the restricted loader)."""
+    for sh, buf in plan.objects:
+        sh.data = load(bytes(buf), sh.unique_key)
+
+
+__all__ = ["LoadPlan", "LoadPlanner", "finish_objects"]

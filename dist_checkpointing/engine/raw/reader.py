@@ -1,0 +1,203 @@
+"""Reading the bytes a load plans (:mod:`.load_plan`) from ``raw_bytes`` data files.
+
+Reads of one file are sorted by offset; neighbours (separated by at most
+``READ_MAX_GAP_BYTES``) go into one ``os.preadv`` call of up to 1,024 buffers,
+each buffer the destination itself (a contiguous CPU tensor, a slice of a flat
+block being assembled, or a staging buffer), so tensor bytes are copied once,
+by the kernel. Every read is range-checked against the file's real size first
+(a truncated file names the key), and every checksum block it covers is
+verified right after the file's reads (``ChecksumMismatchError`` names key,
+file and offset).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ChecksumMismatchError, CorruptCheckpointError
+from .. import knobs
+from ..storage.base import ReadStream
+from ..storage.checksums import block_crcs, crc
+from ..storage.location import CheckpointDir
+from .index import RawIndex
+from .writer import vectored_all
+
+_IOV_MAX = 1024
+_LARGE = 16 << 20  # reads above this are verified piece by piece as they land
+
+
+@dataclass
+class Read:
+    """``length`` bytes of entry ``row`` from ``entry_offset`` into buffer ``dest``.
+
+    ``entry_offset`` is a multiple of the checksum block size and the read ends at a
+    block boundary or at the entry's end, so each block it covers is verified whole.
+    """
+
+    row: int
+    entry_offset: int
+    length: int
+    dest: Any
+    at: int  # the offset in the data file: the entry's offset + entry_offset
+    verified: bool = False
+
+
+def _read_all(fd: int, buffers: list[Any], offset: int, describe: Any) -> None:
+    def short(at: int) -> Exception:
+        return CorruptCheckpointError(f"{describe()}: short read at byte {at}")
+
+    vectored_all(os.preadv, fd, buffers, offset, short)
+
+
+def _read_stream(stream: ReadStream, buf: Any, offset: int, describe: Any) -> None:
+    view = memoryview(buf).cast("B")
+    stream.seek(offset)
+    done = 0
+    while done < len(view):
+        n = stream.readinto(view[done:])
+        if not n:
+            raise CorruptCheckpointError(f"{describe()}: short read at byte {offset + done}")
+        done += n
+
+
+def _at(r: Read) -> int:
+    return r.at
+
+
+class RawReader:
+    """Executes the reads of one load against the data files of ``index``."""
+
+    def __init__(self, ckpt: CheckpointDir, index: RawIndex, verify: bool) -> None:
+        self.ckpt = ckpt
+        self.index = index
+        self.verify = verify and index.block_bytes > 0
+        self.max_gap = knobs.READ_MAX_GAP_BYTES.get()
+        self._crcs: list[int] = index.crcs.tolist() if self.verify else []
+        self._crc_start: list[int] = index.columns["crc_start"]
+
+    def run(self, reads: Sequence[Read]) -> None:
+        by_file: dict[int, list[Read]] = {}
+        files = self.index.columns["file"]
+        for r in reads:
+            f = files[r.row]
+            group = by_file.get(f)
+            if group is None:
+                by_file[f] = [r]
+            else:
+                group.append(r)
+        for f in sorted(by_file):
+            self._run_file(f, by_file[f])
+
+    def _run_file(self, f: int, reads: list[Read]) -> None:
+        name = self.index.files[f]
+        keys = self.index.key_list
+        holds = [keys[r.row] for r in reads[:10]]
+        stream, size = self.ckpt.open_data_file(name, holds)
+        path = self.ckpt.path(name)
+        with stream:
+            reads.sort(key=_at)
+            for r in reads:
+                end = r.at + r.length
+                if end > size:
+                    raise CorruptCheckpointError(
+                        f"{path} is truncated: item {keys[r.row]!r} (offset "
+                        f"{r.at}, length {r.length}) ends at byte {end}, but the "
+                        f"file has {size} bytes"
+                    )
+            self._fetch(stream, path, reads)
+        if self.verify:
+            for r in reads:
+                self._check(r, path)
+
+    def _fetch(self, stream: ReadStream, path: str, reads: list[Read]) -> None:
+        fd: int | None = None
+        if hasattr(os, "preadv"):
+            try:
+                fd = stream.fileno()  # type: ignore[attr-defined]
+            except (AttributeError, OSError, ValueError):
+                fd = None
+
+        def describe() -> str:
+            return str(path)
+
+        if fd is None:
+            for r in reads:
+                _read_stream(stream, r.dest, r.at, describe)
+            return
+        batch: list[Any] = []
+        start = pos = 0
+        for r in reads:
+            at = r.at
+            if self.verify and r.length > _LARGE:  # verified block by block as it lands
+                if batch:
+                    _read_all(fd, batch, start, describe)
+                    batch = []
+                self._read_large(fd, r, path, describe)
+                continue
+            if batch and (at < pos or at - pos > self.max_gap or len(batch) >= _IOV_MAX - 1):
+                _read_all(fd, batch, start, describe)
+                batch = []
+            if not batch:
+                start = pos = at
+            if at > pos:
+                batch.append(bytearray(at - pos))
+            if r.length:
+                batch.append(r.dest)
+            pos = at + r.length
+        if batch:
+            _read_all(fd, batch, start, describe)
+
+    def _read_large(self, fd: int, r: Read, path: str, describe: Any) -> None:
+        """Read a large item a few checksum blocks at a time, verifying each piece while
+        its bytes are still in the CPU cache (no second pass over memory)."""
+        bb = self.index.block_bytes
+        view = memoryview(r.dest).cast("B")
+        piece = max(bb, _LARGE // 2 // bb * bb)
+        first = self._crc_start[r.row] + r.entry_offset // bb
+        for start in range(0, r.length, piece):
+            part = view[start : start + piece]
+            _read_all(fd, [part], r.at + start, describe)
+            found = block_crcs(part, bb)
+            at = first + start // bb
+            expected = self._crcs[at : at + len(found)]
+            if found != expected:
+                bad = next(i for i, v in enumerate(found) if i >= len(expected) or v != expected[i])
+                exp = expected[bad] if bad < len(expected) else -1
+                self._mismatch(r, path, start // bb + bad, found[bad], exp)
+        r.verified = True
+
+    def _check(self, r: Read, path: str) -> None:
+        if r.verified:
+            return
+        bb = self.index.block_bytes
+        first = self._crc_start[r.row] + r.entry_offset // bb
+        if r.length <= bb:
+            if crc(r.dest) == self._crcs[first]:
+                return
+            found = [crc(r.dest)]
+        else:
+            found = block_crcs(r.dest, bb)
+            if found == self._crcs[first : first + len(found)]:
+                return
+        expected = self._crcs[first : first + len(found)]
+        bad = next(i for i, v in enumerate(found) if i >= len(expected) or v != expected[i])
+        self._mismatch(r, path, bad, found[bad], expected[bad] if bad < len(expected) else -1)
+
+    def _mismatch(self, r: Read, path: str, block: int, found: int, expected: int) -> None:
+        c = self.index.columns
+        key = self.index.key_list[r.row]
+        at = r.at + block * self.index.block_bytes
+        raise ChecksumMismatchError(
+            f"checksum mismatch in {path} at byte {at} (item {key!r} at offset "
+            f"{c['offset'][r.row]}, length {c['length'][r.row]}; crc32c {found:08x}, "
+            f"recorded {expected:08x}): the file was damaged or comes from another save",
+            key=key,
+            file=path,
+            offset=at,
+        )
+
+
+__all__ = ["RawReader", "Read"]

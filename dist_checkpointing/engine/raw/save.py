@@ -1,0 +1,125 @@
+"""One ``raw_bytes`` save of a process group, as an :class:`AsyncRequest`.
+
+Call sequence (every rank; "C" is the coordinator):
+
+1. :func:`save_request` (in ``save``): plan the rank's files and index piece
+   (:func:`.writer.plan_rank`; no collective) and return the request;
+2. its ``preload_fn`` stages accelerator tensors to host memory (the blocking
+   part of an async save);
+3. its ``async_fn`` (:func:`write_and_report`) writes the rank's data files,
+   in this process (sync save) or a background one (async save), and reports the
+   item checksums (or the failure) through a results queue;
+4. its finalize function (:func:`finalize`): every rank collects its outcome
+   (a failure anywhere raises on every rank), C gathers the index pieces, writes
+   ``.raw_index`` (staged by the commit protocol, recorded in ``commit.json``)
+   and hands the data files to the commit record; a failure of C raises on
+   every rank. The commit itself follows (``metadata.json``, ``commit.json``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+from typing import Any
+
+import numpy as np
+
+from ...errors import CheckpointWriteError
+from ...mapping import ShardedBase
+from .. import knobs
+from ..async_save.request import AsyncRequest
+from ..collectives import RankGroup
+from ..process import format_current_exception
+from ..storage.checksums import DataFileEntry
+from ..storage.location import CheckpointDir
+from ..storage.write_workers import FileResultsQueue
+from .index import INDEX_NAME, IndexPiece, merge_pieces
+from .writer import RankWrite, plan_rank, write_rank
+
+logger = logging.getLogger(__name__)
+
+#: Byte alignment of every item in a data file (a multiple of every element size
+#: and of a cache line).
+ALIGNMENT = 64
+
+
+def write_and_report(wr: RankWrite, results: Any) -> None:
+    """Write ``wr`` and put ``("ok", checksums)`` or ``("error", text)`` into ``results``
+    (module-level: the async callers run it in another process)."""
+    try:
+        outcome: tuple[str, Any] = ("ok", write_rank(wr))
+    except Exception:
+        results.put(("error", format_current_exception(f"rank writing {', '.join(wr.names)}")))
+        raise  # the async machinery fails the save on every rank
+    results.put(outcome)
+
+
+def _outcome(results: Any, names: list[str], rank: int) -> list[np.ndarray]:
+    timeout = knobs.RESULTS_TIMEOUT_S.get()
+    try:
+        status, value = results.get(timeout=timeout)
+    except queue.Empty:
+        raise CheckpointWriteError(
+            f"rank {rank}: no write results within {timeout:.0f}s for {', '.join(names)}"
+        ) from None
+    finally:
+        close = getattr(results, "close", None)
+        if close is not None:
+            close()
+    if status != "ok":
+        raise CheckpointWriteError(
+            f"Worker failure: rank {rank} writing {', '.join(names)}: {value}"
+        )
+    return list(value)
+
+
+def finalize(
+    ckpt: CheckpointDir, group: RankGroup, wr: RankWrite, piece: IndexPiece, results: Any
+) -> None:
+    """Step 4 of the module docstring (every rank)."""
+    error: BaseException | None = None
+    try:
+        crcs = _outcome(results, wr.names, group.rank) if wr.names else []
+        if crcs:
+            piece.crcs = np.concatenate(crcs).astype("<u4", copy=False)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    group.fail_together(error, f"Writing {ckpt}")
+    pieces = group.gather(piece)
+    error = None
+    if pieces is not None:
+        try:
+            _write_index(ckpt, pieces, wr.block_bytes)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+    group.fail_together(error, f"Writing the index of {ckpt}")
+
+
+def _write_index(ckpt: CheckpointDir, pieces: list[IndexPiece], block_bytes: int) -> None:
+    index = merge_pieces(pieces, ALIGNMENT, block_bytes)
+    ckpt.atomic_write(INDEX_NAME, index.to_bytes())
+    on_data_files = ckpt.context.on_data_files
+    if on_data_files is not None:  # the checksums live in the index, not the record
+        on_data_files({n: DataFileEntry(s) for p in pieces for n, s in zip(p.files, p.file_sizes)})
+    logger.debug("%s: index of %d entries in %d files", ckpt, len(index.entries), len(index.files))
+
+
+def save_request(
+    leaves: list[ShardedBase],
+    ckpt: CheckpointDir,
+    group: RankGroup,
+    file_count: int,
+    in_process: bool,
+) -> AsyncRequest:
+    """Steps 1-4 as one request (see the module docstring)."""
+    block_bytes = ckpt.context.block_bytes  # 0: the WRITE_CHECKSUMS knob is off
+    wr, piece = plan_rank(
+        leaves, ckpt.root, group.rank, file_count, ALIGNMENT, block_bytes, ckpt.context.save_tag
+    )
+    results: Any = queue.SimpleQueue() if in_process else FileResultsQueue(group.rank)
+    fin = functools.partial(finalize, ckpt, group, wr, piece, results)
+    return AsyncRequest(write_and_report, (wr, results), [fin], preload_fn=wr.stage)
+
+
+__all__ = ["ALIGNMENT", "finalize", "save_request", "write_and_report"]

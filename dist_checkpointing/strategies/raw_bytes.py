@@ -1,0 +1,247 @@
+"""The ``raw_bytes`` (version 1) sharded strategies: tensor bytes at aligned offsets.
+
+A layout of our own, chosen with ``get_default_save_sharded_strategy("raw_bytes", 1)``
+(``torch_dist`` stays the default): every main-replica chunk's bytes at an
+aligned offset of a few data files per rank (``__<rank>_<n>.dcpraw``), described
+by one binary index (``.raw_index``: a JSON header and numpy tables, no pickle)
+that the coordinator writes at finalize. Load dispatches on ``metadata.json``
+as for every backend. Megatron-Core and PyTorch DCP cannot read it: convert
+with ``dist-checkpointing convert --to torch_dist``. The engine does the work
+(:mod:`dist_checkpointing.engine.raw`); these classes are its Megatron-style face.
+
+Call sequence of a save: see :mod:`dist_checkpointing.engine.raw.save`; of a
+load: :mod:`dist_checkpointing.engine.raw.load`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from .._torch_compat import DATA_FILE_SUFFIX
+from ..dict_utils import dict_list_map_outplace, nested_values
+from ..engine import knobs
+from ..engine.async_save.request import AsyncRequest
+from ..engine.checkpoint import commit
+from ..engine.collectives import RankGroup, raise_on_all_ranks
+from ..engine.raw import load as raw_load
+from ..engine.raw.index import DATA_SUFFIX, INDEX_NAME, KIND_OBJECT, is_raw_bytes_file
+from ..engine.raw.save import save_request
+from ..engine.safety import safe_torch_load
+from ..engine.storage.location import CheckpointDir
+from ..mapping import ShardedBase, ShardedStateDict, StateDict
+from .base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    check_compatibility,
+    register_default_strategy,
+)
+
+BACKEND = "raw_bytes"
+VERSION = 1
+
+# The torch_dist layout's files: a raw_bytes save over a torch_dist checkpoint
+# replaces them (and deletes them once committed), like its own.
+_TORCH_DIST_METADATA = ".metadata"
+
+
+def register_default_raw_bytes_strategies() -> None:
+    """Register the ``raw_bytes`` v1 strategies (idempotent)."""
+    register_default_strategy(
+        StrategyAction.LOAD_SHARDED, BACKEND, VERSION, RawBytesLoadShardedStrategy(), if_absent=True
+    )
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED,
+        BACKEND,
+        VERSION,
+        RawBytesSaveShardedStrategy(BACKEND, VERSION),
+        if_absent=True,
+    )
+
+
+class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """Saves ShardedTensors (grid blocks and flat ranges) and ShardedObjects as raw bytes.
+
+    Args:
+        backend: ``"raw_bytes"``.
+        version: ``1``.
+        thread_count: data files (and writer threads) per rank (default: the
+            ``SAVE_THREAD_COUNT`` knob, 2).
+        process_group: the ranks that save together (default: the world).
+    """
+
+    commit_files = (INDEX_NAME,)
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        thread_count: int | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(backend, version)
+        self.thread_count = knobs.SAVE_THREAD_COUNT.get(thread_count)
+        self.process_group = process_group
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def owns_file(self, name: str) -> bool:
+        return (
+            is_raw_bytes_file(name)
+            or name == _TORCH_DIST_METADATA
+            or name.endswith(DATA_FILE_SUFFIX)
+        )
+
+    def files_written_by(self, checkpoint_dir: str | os.PathLike[str], rank: int) -> list[str]:
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        tag = ckpt.context.save_tag  # during an overwriting save: only this save's files
+        prefix = f"__{rank}_"
+        return [
+            n
+            for n in ckpt.listdir()
+            if n.startswith(prefix)
+            and n.endswith(DATA_SUFFIX)
+            and (n[len(prefix) :].split(".")[0].isdigit())
+            and (not tag or f".{tag}." in n)
+        ]
+
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> AsyncRequest:
+        """Plan this rank's files and return the request that stages, writes, indexes."""
+        return self._request(sharded_state_dict, checkpoint_dir, in_process=False)
+
+    def save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> None:
+        """Synchronous save: the same request, written by threads of this process."""
+        self._request(sharded_state_dict, checkpoint_dir, in_process=True).execute_sync(
+            self.process_group
+        )
+
+    def _request(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any, in_process: bool
+    ) -> AsyncRequest:
+        leaves = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedBase)]
+        group = RankGroup(self.process_group)
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        return save_request(leaves, ckpt, group, self.thread_count, in_process)
+
+
+class RawBytesLoadShardedStrategy(LoadShardedStrategy):
+    """Loads a ``raw_bytes`` checkpoint into any layout (resharding on load).
+
+    Args:
+        process_group: the ranks that load together (errors are raised on all).
+        trusted: load ShardedObject payloads with plain pickle (only for
+            checkpoints you wrote).
+        allowed_types: extra classes ShardedObject payloads may contain.
+    """
+
+    metadata_files = (INDEX_NAME,)
+
+    def __init__(
+        self,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        trusted: bool = False,
+        allowed_types: Sequence[type] = (),
+    ) -> None:
+        self.process_group = process_group
+        self.trusted = trusted
+        self.allowed_types = tuple(allowed_types)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        check_compatibility(self, "sharded backend", loaded_backend, BACKEND)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        check_compatibility(self, "sharded backend version", loaded_version, VERSION)
+
+    def _load_object(self, checkpoint_dir: Any) -> Any:
+        def load(data: bytes, key: str) -> Any:
+            return safe_torch_load(
+                data,
+                source=f"{checkpoint_dir}: object '{key}'",
+                trusted=self.trusted,
+                allowed_types=self.allowed_types,
+            )
+
+        return load
+
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
+    ) -> StateDict:
+        """Fill every ShardedTensor/ShardedObject of the request (every rank; a failure
+        on one raises on all). Tensors without data are allocated on the CPU."""
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        error: BaseException | None = None
+        try:
+            leaves = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedBase)]
+            raw_load.load_leaves(leaves, ckpt, self._load_object(ckpt))
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        raise_on_all_ranks(error, self.process_group, what=f"Loading {ckpt}")
+        loaded: StateDict = dict_list_map_outplace(
+            lambda x: x.data if isinstance(x, ShardedBase) else x, sharded_state_dict
+        )
+        return loaded
+
+    def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> ShardedStateDict:
+        """Data-less ShardedTensors (global shape and dtype) by key; tensors stored as
+        flat ranges are reported as flat ShardedTensors covering the whole tensor."""
+        return raw_load.tensors_metadata(raw_load.read_index(CheckpointDir.of(checkpoint_dir)))
+
+    def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> ShardedStateDict:
+        """Tensors (see :meth:`load_tensors_metadata`) and ShardedObjects (by unique key)."""
+        index = raw_load.read_index(CheckpointDir.of(checkpoint_dir))
+        out = raw_load.objects_metadata(index)
+        out.update(raw_load.tensors_metadata(index))
+        return out
+
+    def remove_sharded_tensors(
+        self, checkpoint_dir: str | os.PathLike[str], key_prefix: str
+    ) -> None:
+        """Remove the tensors whose key starts with ``key_prefix`` (run on one rank).
+
+        Crash-safe: the new index is committed before any data file is deleted; a
+        data file still holding kept entries stays.
+        """
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        index = raw_load.read_index(ckpt)
+        kinds = index.columns["kind"]
+        drop = np.array(
+            [
+                k.startswith(key_prefix) and kind != KIND_OBJECT
+                for k, kind in zip(index.key_list, kinds)
+            ],
+            dtype=bool,
+        )
+        new, unused = index.without_rows(drop)
+        commit.replace_files(ckpt, {INDEX_NAME: new.to_bytes()}, unused)
+        ckpt.forget(INDEX_NAME)
+
+    def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
+        """The data files holding the entries of ``keys`` (from the index)."""
+        return raw_load.files_holding(raw_load.read_index(CheckpointDir.of(checkpoint_dir)), keys)
+
+
+__all__ = [
+    "BACKEND",
+    "VERSION",
+    "RawBytesLoadShardedStrategy",
+    "RawBytesSaveShardedStrategy",
+    "is_raw_bytes_file",
+    "register_default_raw_bytes_strategies",
+]
