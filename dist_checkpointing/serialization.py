@@ -188,11 +188,10 @@ def save(
     group = RankGroup(process_group)
     account = OpAccount(logger, "save", ckpt, group.rank)
     with account.phase("validate"):
+        check_common = preprocess_common_before_consistancy_check
+        cache = sharded.validated_structure
         sharded_part, common_part = save_preprocess(
-            sharded_state_dict,
-            validate_access_integrity,
-            preprocess_common_before_consistancy_check,
-            process_group,
+            sharded_state_dict, validate_access_integrity, check_common, process_group, cache
         )
     commit.begin(ckpt, group, functools.partial(owns_file, sharded, common))
     if content_metadata is not None:
