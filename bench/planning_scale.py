@@ -27,10 +27,14 @@ Steps (``*``: the coordinator; ``owner``: the busiest key owner):
 - ``metadata*``: the coordinator unpickles every rank's plan records and write
   results, builds ``Metadata`` (``metadata_from_records``, ``storage_data_from_results``,
   ``data_file_checksums``), pickles it;
-- ``cached metadata*``: the same save with an unchanged structure (the metadata of
-  the previous save is reused; only ``storage_meta`` changes) pickled again;
+- ``cached metadata*``: the same save with an unchanged structure and unchanged
+  write results: the coordinator unpickles every rank's item checksums
+  (``data_files_from_records``) and pickles the previous save's metadata again (only
+  ``storage_meta`` changes);
 - ``unpickle (load)``: what every rank of a load spends reading ``.metadata``
-  (``load_metadata``, the restricted unpickler).
+  (``load_metadata``, the restricted unpickler);
+- ``= first save*`` and ``= cached save*``: the coordinator's CPU time of a save,
+  the sum of its steps above (the old check not included).
 
 Under torchrun (``make bench``) only rank 0 runs it, with the same arguments.
 """
@@ -60,10 +64,15 @@ from dist_checkpointing.engine.sharding_split import (
 from dist_checkpointing.engine.storage.checksums import ItemChecksum
 from dist_checkpointing.engine.storage.write_results import (
     data_file_checksums,
+    data_files_from_records,
     storage_data_from_results,
 )
 from dist_checkpointing.mapping import ShardedTensor
-from dist_checkpointing.strategies.state_dict_saver import _compact_results, _expand_results
+from dist_checkpointing.strategies.state_dict_saver import (
+    _compact_results,
+    _expand_results,
+    _item_locations,
+)
 from dist_checkpointing.strategies.torch.layout import reformulated_global_shape
 from dist_checkpointing.strategies.torch.planners import MCoreSavePlanner
 from dist_checkpointing.validation import local_shard_records
@@ -205,11 +214,16 @@ def check_simulation(world: int, keys: list[str], optimizer: bool) -> None:
 
 
 def measure(fn: Callable[[], Any], memory: bool) -> tuple[float, int | None, Any]:
-    """CPU seconds of ``fn`` and (second pass, under tracemalloc) its peak allocation."""
+    """CPU seconds of ``fn`` and (second pass, under tracemalloc) its peak allocation,
+    with the garbage collector paused (as ``save`` and ``load`` pause it)."""
     gc.collect()
-    start = time.process_time()
-    result = fn()
-    seconds = time.process_time() - start
+    gc.disable()
+    try:
+        start = time.process_time()
+        result = fn()
+        seconds = time.process_time() - start
+    finally:
+        gc.enable()
     peak = None
     if memory:
         del result
@@ -226,7 +240,9 @@ def row(world: int, step: str, seconds: float, peak: int | None) -> None:
     print(f"{world:6d} {step:24} {seconds:9.3f} {mem:>10}", flush=True)
 
 
-def run_validation(world: int, keys: list[str], optimizer: bool, memory: bool, old: bool) -> None:
+def run_validation(
+    world: int, keys: list[str], optimizer: bool, memory: bool, old: bool
+) -> dict[str, float]:
     if old:
         payloads = [
             pickle.dumps([tuple(r) for r in rank_records(r, world, keys, optimizer)], protocol=4)
@@ -249,7 +265,9 @@ def run_validation(world: int, keys: list[str], optimizer: bool, memory: bool, o
             for part in records_by_owner(local_shard_records(sd), world)
         ]
 
-    row(world, "records+bin (rank)", *measure(per_rank, memory)[:2])
+    seconds, peak, _ = measure(per_rank, memory)
+    row(world, "records+bin (rank)", seconds, peak)
+    times = {"bin": seconds}
     all_keys = sorted({r.key for r in rank_records(0, world, keys, optimizer)})
     load: dict[int, int] = {}
     for key in all_keys:
@@ -268,20 +286,24 @@ def run_validation(world: int, keys: list[str], optimizer: bool, memory: bool, o
     seconds, peak, problems = measure(owner, memory)
     assert problems == [], problems[:3]
     row(world, f"check (owner, {load[busiest]} keys)", seconds, peak)
+    times["check"] = seconds
     records = local_shard_records(sd)
-    row(world, "digest (rank)", *measure(lambda: structure_digest(records, 0, world), memory)[:2])
+    seconds, peak, _ = measure(lambda: structure_digest(records, 0, world), memory)
+    row(world, "digest (rank)", seconds, peak)
+    times["digest"] = seconds
+    return times
 
 
-def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> None:
-    payloads = []
+def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> dict[str, float]:
+    payloads, locations = [], []
     for r in range(world):
         records = rank_records(r, world, keys, optimizer)
         plan = plan_records(records)
+        results = write_results(r, plan)
         payloads.append(
-            pickle.dumps(
-                ("ok", (write_results(r, plan), (plan, planner_data(plan, records)))), protocol=4
-            )
+            pickle.dumps(("ok", (results, (plan, planner_data(plan, records)))), protocol=4)
         )
+        locations.append(pickle.dumps(_item_locations(results), protocol=4))
 
     def assemble() -> bytes:
         gathered = [pickle.loads(p) for p in payloads]
@@ -293,14 +315,19 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
 
     seconds, peak, blob = measure(assemble, memory)
     row(world, f"metadata* ({len(blob) >> 10} KiB)", seconds, peak)
+    times = {"metadata": seconds}
     cached = load_metadata(io.BytesIO(blob))
 
     def reuse() -> bytes:
+        data_files_from_records(loc for p in locations for loc in pickle.loads(p))
         return pickle.dumps(cached, protocol=4)
 
-    row(world, "cached metadata*", *measure(reuse, memory)[:2])
+    seconds, peak, _ = measure(reuse, memory)
+    row(world, "cached metadata*", seconds, peak)
+    times["cached"] = seconds
     row(world, "unpickle (load)", *measure(lambda: load_metadata(io.BytesIO(blob)), memory)[:2])
     assert _compact_results(_expand_results(pickle.loads(payloads[0])[1][0])) is not None
+    return times
 
 
 def main() -> None:
@@ -322,8 +349,11 @@ def main() -> None:
         if world % TP:
             raise SystemExit(f"--ranks must be multiples of {TP}")
         check_simulation(world, keys, args.optimizer)
-        run_validation(world, keys, args.optimizer, not args.no_memory, not args.skip_old)
-        run_metadata(world, keys, args.optimizer, not args.no_memory)
+        v = run_validation(world, keys, args.optimizer, not args.no_memory, not args.skip_old)
+        m = run_metadata(world, keys, args.optimizer, not args.no_memory)
+        # The coordinator also bins its own records and owns keys like any rank.
+        row(world, "= first save*", v["bin"] + v["check"] + m["metadata"], None)
+        row(world, "= cached save*", v["digest"] + m["cached"], None)
 
 
 if __name__ == "__main__":
