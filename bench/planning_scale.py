@@ -25,8 +25,8 @@ Steps (``*``: the coordinator; ``owner``: the busiest key owner):
 - ``digest (rank)``: a cached save's only work: the digest of one rank's records
   (``structure_digest``), then one all-reduce of one integer;
 - ``metadata*``: the coordinator unpickles every rank's plan records and write
-  results, builds ``Metadata`` (``metadata_from_records``, ``storage_data_from_results``,
-  ``data_file_checksums``), pickles it;
+  results, builds ``Metadata`` (``metadata_from_records``, then ``_finish``: the storage
+  data and the data files' checksums from the compact results), pickles it;
 - ``cached metadata*``: the same save with an unchanged structure and unchanged
   write results: the coordinator unpickles every rank's item checksums
   (``data_files_from_records``) and pickles the previous save's metadata again (only
@@ -62,15 +62,12 @@ from dist_checkpointing.engine.sharding_split import (
     structure_digest,
 )
 from dist_checkpointing.engine.storage.checksums import ItemChecksum
-from dist_checkpointing.engine.storage.write_results import (
-    data_file_checksums,
-    data_files_from_records,
-    storage_data_from_results,
-)
+from dist_checkpointing.engine.storage.write_results import data_files_from_records
 from dist_checkpointing.mapping import ShardedTensor
 from dist_checkpointing.strategies.state_dict_saver import (
     _compact_results,
     _expand_results,
+    _finish,
     _item_locations,
 )
 from dist_checkpointing.strategies.torch.layout import reformulated_global_shape
@@ -294,6 +291,15 @@ def run_validation(
     return times
 
 
+class PickleWriter:
+    """The coordinator's writer, minus the file: ``finish_assembled`` pickles."""
+
+    blob = b""
+
+    def finish_assembled(self, metadata: Any, data_files: Any) -> None:
+        self.blob = pickle.dumps(metadata, protocol=4)
+
+
 def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> dict[str, float]:
     payloads, locations = [], []
     for r in range(world):
@@ -308,10 +314,9 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
     def assemble() -> bytes:
         gathered = [pickle.loads(p) for p in payloads]
         metadata = MCoreSavePlanner.metadata_from_records([v[1] for _, v in gathered])
-        results = [_expand_results(v[0]) for _, v in gathered]
-        data_file_checksums(results)
-        metadata.storage_data = storage_data_from_results(results)
-        return pickle.dumps(metadata, protocol=4)
+        writer = PickleWriter()
+        _finish(writer, metadata, [v[0] for _, v in gathered])  # type: ignore[arg-type]
+        return writer.blob
 
     seconds, peak, blob = measure(assemble, memory)
     row(world, f"metadata* ({len(blob) >> 10} KiB)", seconds, peak)

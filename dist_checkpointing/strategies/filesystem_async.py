@@ -253,12 +253,11 @@ class FileSystemWriterAsync(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(Coordinator) Complete ``metadata`` and write ``.metadata`` atomically."""
         self.build_metadata(metadata, results)
-        self.finish_unchanged(metadata, data_file_checksums(results))
+        self.finish_assembled(metadata, data_file_checksums(results))
 
-    def finish_unchanged(self, metadata: Metadata, data_files: dict[str, DataFileEntry]) -> None:
-        """(Coordinator) Write ``.metadata`` whose ``storage_data`` is already complete
-        (a save whose write results equal the previous save's): only ``storage_meta``
-        and ``version`` are set; ``data_files`` are the data files' item checksums."""
+    def finish_assembled(self, metadata: Metadata, data_files: dict[str, DataFileEntry]) -> None:
+        """(Coordinator) Write ``.metadata`` whose ``storage_data`` is complete; set
+        ``storage_meta`` and ``version``; ``data_files``: the items' checksums."""
         self.build_metadata(metadata, None)
         path = self.fs.join(self.path, METADATA_FILE_NAME)
         context = self.location.context

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -120,10 +120,33 @@ def _commit_unchanged(
     if metadata is None:
         return ("error", "the coordinator has no cached metadata to write")
     data_files = data_files_from_records(loc for locations in gathered for loc in locations)
-    _, error = _attempt(lambda: storage_writer.finish_unchanged(metadata, data_files))  # type: ignore[attr-defined]
+    _, error = _attempt(lambda: storage_writer.finish_assembled(metadata, data_files))  # type: ignore[attr-defined]
     if error is not None:
         return ("error", f"writing .metadata failed: {error}")
     return ("ok", "")
+
+
+def storage_data_from_records(records: Iterable[_ResultRecord]) -> dict[MetadataIndex, Any]:
+    """``Metadata.storage_data`` straight from compact write results (no WriteResult)."""
+    return {
+        MetadataIndex(fqn, None if offset is None else torch.Size(offset)): StorageInfo(
+            path, file_offset, length, transforms
+        )
+        for fqn, offset, _, path, file_offset, length, transforms, _ in records
+    }
+
+
+def _finish(storage_writer: StorageWriter, metadata: Metadata, per_rank: list[Any]) -> None:
+    """Complete ``metadata`` from every rank's compact results and write it: our writer
+    takes the storage data built here; another DCP writer gets WriteResults."""
+    if not hasattr(storage_writer, "finish_assembled"):
+        storage_writer.finish(metadata, [_expand_results(records) for records in per_rank])
+        return
+    metadata.storage_data = storage_data_from_records(r for records in per_rank for r in records)
+    data_files = data_files_from_records(
+        loc for records in per_rank for loc in _item_locations(records)
+    )
+    storage_writer.finish_assembled(metadata, data_files)
 
 
 def _expand_results(records: list[_ResultRecord]) -> list[WriteResult]:
@@ -156,8 +179,9 @@ def _commit_metadata(
         metadata = planner.metadata_from_records([v[1] for _, v in gathered])  # type: ignore[union-attr]
     if metadata is None:
         return ("error", "the coordinator has no global metadata to write"), None
-    all_results = [_expand_results(v[0]) for _, v in gathered]
-    _, finish_error = _attempt(lambda: storage_writer.finish(metadata, all_results))
+    _, finish_error = _attempt(
+        lambda: _finish(storage_writer, metadata, [v[0] for _, v in gathered])
+    )
     if finish_error is not None:
         return ("error", f"writing .metadata failed: {finish_error}"), None
     return ("ok", ""), metadata
@@ -318,7 +342,7 @@ def _all_unchanged(
     same = (
         digest is not None
         and digest == structure.results_digest
-        and hasattr(storage_writer, "finish_unchanged")
+        and hasattr(storage_writer, "finish_assembled")
     )
     (all_same,) = group.all_reduce_ints([int(same)], op=dist.ReduceOp.MIN)
     return all_same == 1
