@@ -33,6 +33,7 @@ from .dict_utils import merge, nested_values
 from .engine.checkpoint import commit, integrity
 from .engine.collectives import ProcessGroup, RankGroup
 from .engine.process import gc_paused
+from .engine.sharding_split import validate_sharding_split
 from .engine.storage.location import CheckpointDir
 from .errors import (
     CheckpointingException,
@@ -62,6 +63,7 @@ from .validation import (
     StrictHandling,
     gather_shard_records,
     local_metadata_of,
+    local_shard_records,
     parse_strict_flag,
     validate_integrity_and_strict_load,
     verify_checkpoint_and_load_strategy,
@@ -188,11 +190,10 @@ def save(
     group = RankGroup(process_group)
     account = OpAccount(logger, "save", ckpt, group.rank)
     with account.phase("validate"):
+        check_common = preprocess_common_before_consistancy_check
+        cache = sharded.validated_structure
         sharded_part, common_part = save_preprocess(
-            sharded_state_dict,
-            validate_access_integrity,
-            preprocess_common_before_consistancy_check,
-            process_group,
+            sharded_state_dict, validate_access_integrity, check_common, process_group, cache
         )
     commit.begin(ckpt, group, functools.partial(owns_file, sharded, common))
     if content_metadata is not None:
@@ -316,17 +317,23 @@ def _check_request(
         ckpt_metadata = load_sharded_metadata(ckpt, *strategies)
     local_metadata: list[Any] = local_metadata_of(request)
     global_metadata: list[list[Any]] | None = None
-    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+    # Only the *_ALL strict modes need every rank's records; the sharding check alone
+    # sends each record to the owner of its key (engine/sharding_split).
+    gather = StrictHandling.requires_global_app_metadata(strict)
+    if gather:
         local_metadata, global_metadata = gather_shard_records(request, process_group)
-    return validate_integrity_and_strict_load(
+    checked = validate_integrity_and_strict_load(
         request,
         strict,
-        validate_access_integrity,
+        validate_access_integrity and gather,
         local_metadata,
         global_metadata,
         ckpt_metadata,
         process_group=process_group,
     )
+    if validate_access_integrity and not gather:
+        validate_sharding_split(local_shard_records(request), RankGroup(process_group))
+    return checked
 
 
 def _keys_of(request: ShardedStateDict) -> set[str]:

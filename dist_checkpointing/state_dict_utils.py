@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values
-from .engine.collectives import ProcessGroup
+from .engine.collectives import ProcessGroup, RankGroup
+from .engine.sharding_split import ValidatedStructure, validate_sharding_split
 from .mapping import (
     CommonStateDict,
     ShardedStateDict,
@@ -23,11 +24,7 @@ from .mapping import (
     apply_factories,
 )
 from .utils import extract_nonpersistent, extract_sharded_base
-from .validation import (
-    gather_shard_records,
-    validate_common_state_dict,
-    validate_sharding_integrity_on_all_ranks,
-)
+from .validation import local_shard_records, validate_common_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +48,16 @@ def save_preprocess(
     preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict]
     | None = None,
     process_group: ProcessGroup = None,
+    validated_structure: ValidatedStructure | None = None,
 ) -> tuple[ShardedStateDict, StateDict]:
     """Split ``sharded_state_dict`` into its sharded and common parts for saving.
 
     Steps: apply factories, drop LocalNonpersistentObjects, split ShardedBase
     leaves from the rest, drop empty flat ranges, and (when validating) check on
     every rank of ``process_group`` that main replicas cover every global tensor
-    exactly once, and log common-state differences between ranks.
+    exactly once (each key on one owner rank, :mod:`.engine.sharding_split`; skipped
+    while ``validated_structure`` says no rank's shards changed since the last
+    passing check), and log common-state differences between ranks.
 
     Returns:
         ``(sharded_part, common_part)``.
@@ -67,8 +67,8 @@ def save_preprocess(
     sharded_part, common_part = extract_sharded_base(persistent)
     sharded_part = filter_out_empty_flatten_tensor(sharded_part)
     if validate_access_integrity:
-        _, global_metadata = gather_shard_records(sharded_part, process_group)
-        validate_sharding_integrity_on_all_ranks(global_metadata, process_group)
+        records = local_shard_records(sharded_part)
+        validate_sharding_split(records, RankGroup(process_group), validated_structure)
         to_check: Any = common_part
         if preprocess_common_before_consistancy_check is not None:
             to_check = preprocess_common_before_consistancy_check(common_part)

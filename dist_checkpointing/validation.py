@@ -31,6 +31,7 @@ from .engine.sharding_check import (
     shard_record,
     sharding_integrity_problems,
 )
+from .engine.sharding_split import raise_sharding_problems
 from .engine.storage.location import CheckpointDir
 from .errors import (
     CheckpointingException,
@@ -38,7 +39,6 @@ from .errors import (
     IncompleteCheckpointError,
     InvalidArgumentError,
     KeyMismatchError,
-    ShardingError,
 )
 from .mapping import CommonStateDict, ShardedBase, ShardedStateDict
 from .strategies.base import (
@@ -226,14 +226,19 @@ def local_metadata_of(sharded_state_dict: ShardedStateDict) -> LocalMetadata:
     ]
 
 
+def local_shard_records(sharded_state_dict: ShardedStateDict) -> list[ShardRecord]:
+    """This rank's :class:`ShardRecord` s (no communication)."""
+    return [
+        shard_record(sh) for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
+    ]
+
+
 def gather_shard_records(
     sharded_state_dict: ShardedStateDict, process_group: dist.ProcessGroup | None = None
 ) -> tuple[list[ShardRecord], list[list[ShardRecord]]]:
     """This rank's and every rank's :class:`ShardRecord` s (an ``all_gather_object``
     of plain tuples: the fast form of :func:`determine_global_metadata`)."""
-    local = [
-        shard_record(sh) for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
-    ]
+    local = local_shard_records(sharded_state_dict)
     group = RankGroup(process_group)
     if not group.distributed:
         return local, [local]
@@ -267,11 +272,7 @@ def validate_sharding_integrity_on_all_ranks(
 
 def validate_sharding_integrity_from_problems(problems: Sequence[str]) -> None:
     """Raise the :class:`ShardingError` for already computed problems."""
-    if problems:
-        raise ShardingError(
-            f"Invalid sharding ({len(problems)} problem(s)); every global tensor must be "
-            "covered exactly once by main replicas (replica_id 0):\n  " + "\n  ".join(problems)
-        )
+    raise_sharding_problems(problems)
 
 
 def adjust_non_strict_load(

@@ -14,6 +14,7 @@ its cause. No rank is ever left waiting in the next collective.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,6 +133,36 @@ class RankGroup:
             group=self.group,
         )
         return out[0]
+
+    def all_to_all(self, objs: Sequence[Any]) -> list[Any]:
+        """Rank ``r`` gets ``objs[r]`` of every rank, in group-rank order (two
+        ``all_to_all_single``: the payload sizes, then the pickled payloads). Each rank
+        sends and receives only its own payloads, unlike an all-gather."""
+        if len(objs) != self.world:
+            raise ValueError(
+                f"all_to_all needs one object per rank ({self.world}), got {len(objs)}"
+            )
+        if not self.distributed:
+            return [objs[0]]
+        payloads = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+        send_sizes = [len(p) for p in payloads]
+        sizes = torch.tensor(send_sizes, dtype=torch.int64, device=self.device)
+        recv_sizes_t = torch.empty_like(sizes)
+        dist.all_to_all_single(recv_sizes_t, sizes, group=self.group)
+        recv_sizes = [int(n) for n in recv_sizes_t.tolist()]
+        blob = b"".join(payloads)
+        send = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0)
+        send = send.to(dtype=torch.uint8, device=self.device)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
+        data = recv.cpu().numpy().tobytes()
+        out, pos = [], 0
+        for n in recv_sizes:
+            out.append(
+                pickle.loads(data[pos : pos + n])
+            )  # peers of the group, as in all_gather_object
+            pos += n
+        return out
 
     def broadcast(self, obj: Any) -> Any:
         """Every rank gets the coordinator's ``obj``."""

@@ -231,13 +231,17 @@ def _object_key_problems(key: str, shards: list[tuple[int, ShardRecord]]) -> lis
     return problems
 
 
-def sharding_integrity_problems(global_metadata: GlobalMetadata) -> list[str]:
-    """Every problem with the sharding described by all ranks' metadata, one line each.
+# The sections of the report, in the order they are listed.
+_SECTION_MIXED, _SECTION_TENSOR, _SECTION_OBJECT = 0, 1, 2
 
-    For each ShardedTensor key: all ranks agree on global shape and dtype, and
-    the main replicas (flat ranges included) cover the global tensor exactly
-    once. For each ShardedObject key: one main replica per shard of the grid.
-    """
+# One key's problems, tagged so that reports computed by different ranks (each for
+# the keys it owns) merge into exactly the report one rank would compute.
+KeyProblems = tuple[int, str, list[str]]
+
+
+def keyed_problems(global_metadata: GlobalMetadata) -> list[KeyProblems]:
+    """:func:`sharding_integrity_problems` as ``(section, key, lines)`` per key with a
+    problem (merge reports of disjoint key sets with :func:`merge_key_problems`)."""
     tensors: dict[str, list[tuple[int, ShardRecord]]] = defaultdict(list)
     objects: dict[str, list[tuple[int, ShardRecord]]] = defaultdict(list)
     for rank, rank_metadata in enumerate(global_metadata):
@@ -246,12 +250,28 @@ def sharding_integrity_problems(global_metadata: GlobalMetadata) -> list[str]:
                 continue
             rec = shard_record(sh)
             (tensors if rec.is_tensor else objects)[rec.key].append((rank, rec))
-    problems = [
-        f"'{key}': used both as a ShardedTensor and as a ShardedObject"
-        for key in sorted(tensors.keys() & objects.keys())
+    out: list[KeyProblems] = [
+        (_SECTION_MIXED, key, [f"'{key}': used both as a ShardedTensor and as a ShardedObject"])
+        for key in tensors.keys() & objects.keys()
     ]
-    for key in sorted(tensors):
-        problems += _tensor_key_problems(key, tensors[key])
-    for key in sorted(objects):
-        problems += _object_key_problems(key, objects[key])
-    return problems
+    for key, shards in tensors.items():
+        out.append((_SECTION_TENSOR, key, _tensor_key_problems(key, shards)))
+    for key, shards in objects.items():
+        out.append((_SECTION_OBJECT, key, _object_key_problems(key, shards)))
+    return [p for p in out if p[2]]
+
+
+def merge_key_problems(parts: list[list[KeyProblems]]) -> list[str]:
+    """One report from the keyed problems of disjoint key sets, one line each."""
+    merged = sorted((p for part in parts for p in part), key=lambda p: (p[0], p[1]))
+    return [line for _, _, lines in merged for line in lines]
+
+
+def sharding_integrity_problems(global_metadata: GlobalMetadata) -> list[str]:
+    """Every problem with the sharding described by all ranks' metadata, one line each.
+
+    For each ShardedTensor key: all ranks agree on global shape and dtype, and
+    the main replicas (flat ranges included) cover the global tensor exactly
+    once. For each ShardedObject key: one main replica per shard of the grid.
+    """
+    return merge_key_problems([keyed_problems(global_metadata)])

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.distributed as dist
 
 from ..engine.async_save import AsyncCallsQueue
+from ..engine.sharding_split import ValidatedStructure
 from ..errors import CheckpointingException, IncompatibleStrategyError, StrategyNotFoundError
 from ..mapping import ShardedStateDict, StateDict
 
@@ -415,6 +416,9 @@ class SaveShardedStrategy(SaveStrategyBase):
 
     #: The format's own metadata files (written by the coordinator at finalize).
     commit_files: tuple[str, ...] = ()
+    #: Set by strategies that cache the checkpoint structure: the sharding check is
+    #: skipped (one all-reduce) while no rank's shard records change.
+    validated_structure: ValidatedStructure | None = None
 
     @abstractmethod
     def save(

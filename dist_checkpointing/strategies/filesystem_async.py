@@ -37,6 +37,7 @@ from ..engine import knobs
 from ..engine.storage import write_workers
 from ..engine.storage.base import FileSystemIO
 from ..engine.storage.bucketing import build_buckets, data_file_prefix
+from ..engine.storage.checksums import DataFileEntry
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.resolve import is_url
 from ..engine.storage.write_results import data_file_checksums, storage_data_from_results
@@ -253,10 +254,16 @@ class FileSystemWriterAsync(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(Coordinator) Complete ``metadata`` and write ``.metadata`` atomically."""
         self.build_metadata(metadata, results)
+        self.finish_assembled(metadata, data_file_checksums(results))
+
+    def finish_assembled(self, metadata: Metadata, data_files: dict[str, DataFileEntry]) -> None:
+        """(Coordinator) Write ``.metadata`` whose ``storage_data`` is complete; set
+        ``storage_meta`` and ``version``; ``data_files``: the items' checksums."""
+        self.build_metadata(metadata, None)
         path = self.fs.join(self.path, METADATA_FILE_NAME)
         context = self.location.context
         if context.on_data_files is not None:
-            context.on_data_files(data_file_checksums(results))
+            context.on_data_files(data_files)
         try:
             data = pickle.dumps(metadata, protocol=4)
             # Staged under a save-specific name while the commit protocol runs.
@@ -267,11 +274,13 @@ class FileSystemWriterAsync(StorageWriter):
             ) from exc
 
     def build_metadata(
-        self, metadata: Metadata, results: Sequence[Sequence[WriteResult]]
+        self, metadata: Metadata, results: Sequence[Sequence[WriteResult]] | None
     ) -> Metadata:
-        """Fill ``storage_data``, ``storage_meta`` and ``version`` of ``metadata`` (in place,
-        also returned) from all ranks' results, without writing anything."""
-        metadata.storage_data = storage_data_from_results(results)
+        """Fill ``storage_data`` (unless ``results`` is None), ``storage_meta`` and
+        ``version`` of ``metadata`` (in place, also returned) from all ranks' results,
+        without writing anything."""
+        if results is not None:
+            metadata.storage_data = storage_data_from_results(results)
         metadata.storage_meta = self.storage_meta()
         save_id = self.location.context.attachments.get("save_id")
         if save_id and metadata.storage_meta is not None:

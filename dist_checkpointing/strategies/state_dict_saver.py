@@ -12,7 +12,11 @@ Call sequence, every rank of the group:
    background).
 3. ``save_state_dict_async_finalize``: each rank collects its write results;
    the coordinator gathers them and writes ``.metadata`` (the DCP commit
-   point); then every rank learns the outcome.
+   point); then every rank learns the outcome. After a save that reused the
+   structure, one all-reduce first asks whether every rank's write results
+   (checksums aside) equal its last committed ones; if so, ranks send only their
+   items' checksums and the coordinator rewrites the cached metadata as it is
+   (the same bytes a full assembly would give, ``storage_meta`` aside).
 
 Every step that can fail on one rank turns into an exception on every rank:
 no rank is left waiting in a collective.
@@ -20,8 +24,10 @@ no rank is left waiting in a collective.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Callable
+import pickle
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -33,6 +39,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._torch_compat import StorageInfo
 from ..engine.collectives import RankGroup, describe_error
+from ..engine.storage.write_results import ItemLocation, data_files_from_records
 from ..errors import CheckpointingException, CheckpointWriteError
 
 logger = logging.getLogger(__name__)
@@ -48,12 +55,20 @@ class CachedStructure:
     its final plan, ``metadata`` the global metadata (coordinator only).
     ``metadata_pending`` (the same on every rank) means the metadata is built at
     finalization from every rank's plan records (decentralized planning).
+    ``reused`` (the same on every rank): this save reused the previous structure;
+    ``results_digest``: this rank's write results (checksums aside) at the last
+    committed save. When every rank's results are unchanged too, the coordinator
+    rewrites the previous metadata as it is (only ``storage_meta`` changes) and
+    ``metadata_rewritten`` is set on every rank.
     """
 
     local_plan: SavePlan
     central_plan: SavePlan
     metadata: Metadata | None
     metadata_pending: bool = False
+    reused: bool = False
+    results_digest: int | None = None
+    metadata_rewritten: bool = False
 
 
 def _decentralized(planner: SavePlanner) -> bool:
@@ -86,6 +101,54 @@ def _compact_results(results: list[WriteResult]) -> list[_ResultRecord]:
     return out
 
 
+def _results_digest(records: list[_ResultRecord]) -> int:
+    """A digest of write results without their checksums (which change with the data)."""
+    blob = pickle.dumps([r[:7] for r in records], protocol=4)
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
+
+
+def _item_locations(records: list[_ResultRecord]) -> list[ItemLocation]:
+    """What commit needs of unchanged write results: each item's file, place and checksum."""
+    return [(r[3], r[4], r[5], r[7]) for r in records]
+
+
+def _commit_unchanged(
+    storage_writer: StorageWriter, metadata: Metadata | None, gathered: list[Any]
+) -> tuple[str, str]:
+    """(Coordinator) Rewrite the previous save's metadata: every rank's structure and
+    write results are unchanged, only the item checksums (and ``storage_meta``) are new."""
+    if metadata is None:
+        return ("error", "the coordinator has no cached metadata to write")
+    data_files = data_files_from_records(loc for locations in gathered for loc in locations)
+    _, error = _attempt(lambda: storage_writer.finish_assembled(metadata, data_files))  # type: ignore[attr-defined]
+    if error is not None:
+        return ("error", f"writing .metadata failed: {error}")
+    return ("ok", "")
+
+
+def storage_data_from_records(records: Iterable[_ResultRecord]) -> dict[MetadataIndex, Any]:
+    """``Metadata.storage_data`` straight from compact write results (no WriteResult)."""
+    return {
+        MetadataIndex(fqn, None if offset is None else torch.Size(offset)): StorageInfo(
+            path, file_offset, length, transforms
+        )
+        for fqn, offset, _, path, file_offset, length, transforms, _ in records
+    }
+
+
+def _finish(storage_writer: StorageWriter, metadata: Metadata, per_rank: list[Any]) -> None:
+    """Complete ``metadata`` from every rank's compact results and write it: our writer
+    takes the storage data built here; another DCP writer gets WriteResults."""
+    if not hasattr(storage_writer, "finish_assembled"):
+        storage_writer.finish(metadata, [_expand_results(records) for records in per_rank])
+        return
+    metadata.storage_data = storage_data_from_records(r for records in per_rank for r in records)
+    data_files = data_files_from_records(
+        loc for records in per_rank for loc in _item_locations(records)
+    )
+    storage_writer.finish_assembled(metadata, data_files)
+
+
 def _expand_results(records: list[_ResultRecord]) -> list[WriteResult]:
     out = []
     for fqn, offset, size, path, file_offset, length, transforms, checksum in records:
@@ -116,8 +179,9 @@ def _commit_metadata(
         metadata = planner.metadata_from_records([v[1] for _, v in gathered])  # type: ignore[union-attr]
     if metadata is None:
         return ("error", "the coordinator has no global metadata to write"), None
-    all_results = [_expand_results(v[0]) for _, v in gathered]
-    _, finish_error = _attempt(lambda: storage_writer.finish(metadata, all_results))
+    _, finish_error = _attempt(
+        lambda: _finish(storage_writer, metadata, [v[0] for _, v in gathered])
+    )
     if finish_error is not None:
         return ("error", f"writing .metadata failed: {finish_error}"), None
     return ("ok", ""), metadata
@@ -188,7 +252,10 @@ def save_state_dict_async_plan(
 
     final_plan, error = _attempt(prepare)
     group.fail_together(error, "preparing the data to write")
-    return storage_writer, metadata, CachedStructure(local_plan, central_plan, metadata, pending)
+    reused = not_cached == 0 and cached is not None
+    digest = cached.results_digest if reused and cached is not None else None
+    structure = CachedStructure(local_plan, central_plan, metadata, pending, reused, digest)
+    return storage_writer, metadata, structure
 
 
 def _exchange_plans(
@@ -261,6 +328,26 @@ def verify_global_md_reuse(
     return all_same == 1
 
 
+def _all_unchanged(
+    group: RankGroup,
+    structure: CachedStructure | None,
+    storage_writer: StorageWriter,
+    digest: int | None,
+) -> bool:
+    """Whether every rank reused the structure and wrote the same results as at the
+    last committed save (one all-reduce, only after a save that reused the structure:
+    ``reused`` is the same on every rank)."""
+    if structure is None or not structure.reused:
+        return False
+    same = (
+        digest is not None
+        and digest == structure.results_digest
+        and hasattr(storage_writer, "finish_assembled")
+    )
+    (all_same,) = group.all_reduce_ints([int(same)], op=dist.ReduceOp.MIN)
+    return all_same == 1
+
+
 def save_state_dict_async_finalize(
     storage_writer: StorageWriter,
     global_metadata: Metadata | None,
@@ -293,19 +380,31 @@ def save_state_dict_async_finalize(
         return _compact_results(results), records
 
     collected, error = _attempt(collect)
-    mine = ("error", describe_error(error)) if error else ("ok", collected)
+    digest = None if collected is None else _results_digest(collected[0])
+    unchanged = _all_unchanged(group, structure, storage_writer, digest)
+    if error is not None:
+        mine: Any = ("error", describe_error(error))
+    elif unchanged:
+        mine = _item_locations(collected[0])  # type: ignore[index]
+    else:
+        mine = ("ok", collected)
     gathered = group.gather(mine)
     outcome: tuple[str, str] = ("ok", "")
     if group.is_coordinator:
         assert gathered is not None
-        outcome, built = _commit_metadata(
-            storage_writer, global_metadata, gathered, pending, planner
-        )
-        if built is not None and structure is not None:
-            structure.metadata = built
+        if unchanged:
+            outcome = _commit_unchanged(storage_writer, global_metadata, gathered)
+        else:
+            outcome, built = _commit_metadata(
+                storage_writer, global_metadata, gathered, pending, planner
+            )
+            if built is not None and structure is not None:
+                structure.metadata = built
     status, message = group.broadcast(outcome)
     if status == "ok" and structure is not None:
         structure.metadata_pending = False
+        structure.results_digest = digest
+        structure.metadata_rewritten = unchanged
     if status == "error":
         if error is not None and isinstance(error, CheckpointingException):
             raise error

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.storage import WriteResult
@@ -14,15 +14,32 @@ from .checksums import DataFileEntry
 def data_file_checksums(results: Sequence[Sequence[WriteResult]]) -> dict[str, DataFileEntry]:
     """Every data file written, with its size and its items' checksums (carried by the
     write results; none when the save wrote no checksums)."""
+    return data_files_from_records(
+        (
+            r.storage_data.relative_path,
+            r.storage_data.offset,
+            r.storage_data.length,
+            getattr(r, "checksum", None),
+        )
+        for rank_results in results
+        for r in rank_results
+    )
+
+
+# Where one item lies and its checksum: (file, offset in the file, length, ItemChecksum or None).
+ItemLocation = tuple[str, int, int, Any]
+
+
+def data_files_from_records(records: Iterable[ItemLocation]) -> dict[str, DataFileEntry]:
+    """:func:`data_file_checksums` from plain ``(file, offset, length, checksum)`` records."""
     files: dict[str, DataFileEntry] = {}
-    for rank_results in results:
-        for r in rank_results:
-            info = r.storage_data
-            entry = files.setdefault(info.relative_path, DataFileEntry(0))
-            entry.size = max(entry.size, info.offset + info.length)
-            checksum = getattr(r, "checksum", None)
-            if checksum is not None:
-                entry.items.append(checksum)
+    for path, offset, length, checksum in records:
+        entry = files.get(path)
+        if entry is None:
+            entry = files[path] = DataFileEntry(0)
+        entry.size = max(entry.size, offset + length)
+        if checksum is not None:
+            entry.items.append(checksum)
     for entry in files.values():
         entry.items.sort(key=lambda it: it.offset)
     return files
@@ -33,4 +50,9 @@ def storage_data_from_results(results: Sequence[Sequence[WriteResult]]) -> dict[
     return {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
 
 
-__all__ = ["data_file_checksums", "storage_data_from_results"]
+__all__ = [
+    "ItemLocation",
+    "data_file_checksums",
+    "data_files_from_records",
+    "storage_data_from_results",
+]

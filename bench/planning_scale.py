@@ -1,0 +1,365 @@
+"""Planning and validation at scale, simulated in one process.
+
+    python bench/planning_scale.py [--ranks 64 256 1024 4096] [--tensors 1000]
+                                   [--optimizer] [--no-memory]
+
+No process group is needed: the script builds every simulated rank's shard records
+and plan records (a TP=8 layout, data parallel over the rest: three quarters of the
+tensors are row blocks of a TP group, written by data-parallel rank 0; a quarter are
+replicated, written by rank 0; with ``--optimizer`` every rank also holds two
+distributed-optimizer flat ranges of each row block) and calls the library's own
+planning and validation functions on them, step by step, as each rank would. For
+each step it prints the CPU time of the rank that does the most work and (unless
+``--no-memory``) the peak memory that step allocates (tracemalloc, a second pass).
+What a collective itself costs on a network is not simulated.
+
+Steps (``*``: the coordinator; ``owner``: the busiest key owner):
+
+- ``gather/check (old)``: the sharding check as it was: every rank's records are
+  all-gathered, the coordinator unpickles them all and checks every key
+  (``sharding_integrity_problems``);
+- ``records+bin (rank)``: one rank's records from its sharded state dict, grouped by
+  owner and pickled for the all-to-all (``local_shard_records``, ``records_by_owner``);
+- ``check (owner)``: the busiest owner unpickles what it receives and checks its keys
+  (``owned_key_problems``);
+- ``digest (rank)``: a cached save's only work: the digest of one rank's records
+  (``structure_digest``), then one all-reduce of one integer;
+- ``metadata*``: the coordinator unpickles every rank's plan records and write
+  results, builds ``Metadata`` (``metadata_from_records``, then ``_finish``: the storage
+  data and the data files' checksums from the compact results), pickles it;
+- ``cached metadata*``: the same save with an unchanged structure and unchanged
+  write results: the coordinator unpickles every rank's item checksums
+  (``data_files_from_records``) and pickles the previous save's metadata again (only
+  ``storage_meta`` changes);
+- ``unpickle (load)``: what every rank of a load spends reading ``.metadata``
+  (``load_metadata``, the restricted unpickler);
+- ``= first save*`` and ``= cached save*``: the coordinator's CPU time of a save,
+  the sum of its steps above (the old check not included).
+
+Under torchrun (``make bench``) only rank 0 runs it, with the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import os
+import pickle
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dist_checkpointing.engine.safety.metadata import load_metadata
+from dist_checkpointing.engine.sharding_check import ShardRecord, sharding_integrity_problems
+from dist_checkpointing.engine.sharding_split import (
+    key_owner,
+    owned_key_problems,
+    records_by_owner,
+    structure_digest,
+)
+from dist_checkpointing.engine.storage.checksums import ItemChecksum
+from dist_checkpointing.engine.storage.write_results import data_files_from_records
+from dist_checkpointing.mapping import ShardedTensor
+from dist_checkpointing.strategies.state_dict_saver import (
+    _compact_results,
+    _expand_results,
+    _finish,
+    _item_locations,
+)
+from dist_checkpointing.strategies.torch.layout import reformulated_global_shape
+from dist_checkpointing.strategies.torch.planners import MCoreSavePlanner
+from dist_checkpointing.validation import local_shard_records
+
+TP = 8
+ROWS, COLS = 32, 64  # a TP rank's row block of each sharded tensor
+DTYPE = torch.float32
+OPT_STATES = ("exp_avg", "exp_avg_sq")
+
+
+# ------------------------------------------------------------------ the simulated layout
+
+
+def param_keys(tensors: int) -> list[str]:
+    return [
+        f"decoder.layers.{i // 4}.{('qkv', 'proj', 'fc1', 'norm')[i % 4]}" for i in range(tensors)
+    ]
+
+
+def _flat_range(dp: int, dp_size: int) -> tuple[int, int]:
+    numel = ROWS * COLS
+    return numel * dp // dp_size, numel * (dp + 1) // dp_size
+
+
+def rank_records(rank: int, world: int, keys: list[str], optimizer: bool) -> list[ShardRecord]:
+    """What ``local_shard_records`` returns on simulated rank ``rank``."""
+    tp, dp = rank % TP, rank // TP
+    out = []
+    for key in keys:
+        if key.endswith("norm"):
+            out.append(ShardRecord(key, True, str(DTYPE), (COLS,), (0,), (COLS,), None, rank == 0))
+            continue
+        gshape, off = (TP * ROWS, COLS), (tp * ROWS, 0)
+        out.append(ShardRecord(key, True, str(DTYPE), gshape, off, (ROWS, COLS), None, dp == 0))
+        if optimizer:
+            flat = _flat_range(dp, world // TP)
+            for state in OPT_STATES:
+                out.append(
+                    ShardRecord(
+                        f"optimizer.{state}.{key}",
+                        True,
+                        str(DTYPE),
+                        gshape,
+                        off,
+                        (ROWS, COLS),
+                        flat,
+                        True,
+                    )
+                )
+    return out
+
+
+def real_state_dict(rank: int, world: int, keys: list[str], optimizer: bool) -> dict[str, Any]:
+    """Rank ``rank``'s sharded state dict with data (for the steps that need real objects)."""
+    tp, dp = rank % TP, rank // TP
+    sd: dict[str, Any] = {}
+    for key in keys:
+        if key.endswith("norm"):
+            sd[key] = ShardedTensor.from_rank_offsets(key, torch.zeros(COLS), replica_id=(tp, dp))
+            continue
+        sd[key] = ShardedTensor.from_rank_offsets(
+            key, torch.zeros(ROWS, COLS), (0, tp, TP), replica_id=dp
+        )
+        if optimizer:
+            start, stop = _flat_range(dp, world // TP)
+            for state in OPT_STATES:
+                k = f"optimizer.{state}.{key}"
+                sd[k] = ShardedTensor.from_rank_offsets_flat(
+                    k,
+                    torch.zeros(stop - start),
+                    (ROWS, COLS),
+                    (0, tp, TP),
+                    flattened_range=slice(start, stop),
+                )
+    return sd
+
+
+def plan_records(records: list[ShardRecord]) -> list[tuple[Any, ...]]:
+    """``MCoreSavePlanner.plan_records`` of a rank's plan (main replicas only)."""
+    out: list[tuple[Any, ...]] = []
+    for r in records:
+        if not r.is_main:
+            continue
+        if r.flat is None:
+            out.append((r.key, r.global_offset, r.chunk_shape, r.global_shape, DTYPE))
+            continue
+        grid = tuple(o // b for o, b in zip(r.global_offset, r.chunk_shape))
+        stored = reformulated_global_shape(r.global_shape, r.chunk_shape)
+        out.append(
+            (r.key, grid + (r.flat[0],), (1,) * len(grid) + (r.flat[1] - r.flat[0],), stored, DTYPE)
+        )
+    return out
+
+
+def write_results(rank: int, plan: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """A rank's compact write results (``_compact_results``), two files per rank."""
+    out, offsets = [], [0, 0]
+    for i, (fqn, chunk_offsets, sizes, _size, _dtype) in enumerate(plan):
+        nbytes = 4 * int(torch.Size(sizes).numel())
+        f = i % 2
+        out.append(
+            (
+                fqn,
+                chunk_offsets,
+                nbytes,
+                f"__{rank}_{f}.distcp",
+                offsets[f],
+                nbytes + 64,
+                None,
+                ItemChecksum(offsets[f], nbytes + 64, [i]),
+            )
+        )
+        offsets[f] += nbytes + 64
+    return out
+
+
+def planner_data(plan: list[tuple[Any, ...]], records: list[ShardRecord]) -> dict[str, Any]:
+    flat = {r.key: r.global_shape for r in records if r.flat is not None and r.is_main}
+    return {
+        fqn: ({"nd_reformulated_orig_global_shape": flat[fqn]} if fqn in flat else {})
+        for fqn, *_ in plan
+    }
+
+
+def check_simulation(world: int, keys: list[str], optimizer: bool) -> None:
+    """The simulated records are what the library computes for real ShardedTensors."""
+    for rank in (0, min(world - 1, TP + 1)):
+        sd = real_state_dict(rank, world, keys, optimizer)
+        assert local_shard_records(sd) == rank_records(rank, world, keys, optimizer), rank
+        planner = MCoreSavePlanner()
+        planner.set_up_planner({k: [v] for k, v in sd.items() if v.replica_id in (0, (0, 0))})
+        real, data = MCoreSavePlanner.plan_records(planner.create_local_plan())
+        records = rank_records(rank, world, keys, optimizer)
+        assert real == plan_records(records), rank
+        assert data == planner_data(real, records), rank
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def measure(fn: Callable[[], Any], memory: bool) -> tuple[float, int | None, Any]:
+    """CPU seconds of ``fn`` and (second pass, under tracemalloc) its peak allocation,
+    with the garbage collector paused (as ``save`` and ``load`` pause it)."""
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.process_time()
+        result = fn()
+        seconds = time.process_time() - start
+    finally:
+        gc.enable()
+    peak = None
+    if memory:
+        del result
+        gc.collect()
+        tracemalloc.start()
+        result = fn()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return seconds, peak, result
+
+
+def row(world: int, step: str, seconds: float, peak: int | None) -> None:
+    mem = "" if peak is None else f"{peak / 2**20:10.1f}"
+    print(f"{world:6d} {step:24} {seconds:9.3f} {mem:>10}", flush=True)
+
+
+def run_validation(
+    world: int, keys: list[str], optimizer: bool, memory: bool, old: bool
+) -> dict[str, float]:
+    if old:
+        payloads = [
+            pickle.dumps([tuple(r) for r in rank_records(r, world, keys, optimizer)], protocol=4)
+            for r in range(world)
+        ]
+
+        def centralized() -> list[str]:
+            gathered = [[ShardRecord(*t) for t in pickle.loads(p)] for p in payloads]
+            return sharding_integrity_problems(gathered)
+
+        seconds, peak, problems = measure(centralized, memory)
+        assert problems == [], problems[:3]
+        row(world, "gather/check (old)*", seconds, peak)
+        del payloads
+    sd = real_state_dict(0, world, keys, optimizer)
+
+    def per_rank() -> list[bytes]:
+        return [
+            pickle.dumps(part, protocol=5)
+            for part in records_by_owner(local_shard_records(sd), world)
+        ]
+
+    seconds, peak, _ = measure(per_rank, memory)
+    row(world, "records+bin (rank)", seconds, peak)
+    times = {"bin": seconds}
+    all_keys = sorted({r.key for r in rank_records(0, world, keys, optimizer)})
+    load: dict[int, int] = {}
+    for key in all_keys:
+        load[key_owner(key, world)] = load.get(key_owner(key, world), 0) + 1
+    busiest = max(load, key=lambda o: load[o])
+    received = [
+        pickle.dumps(
+            records_by_owner(rank_records(r, world, keys, optimizer), world)[busiest], protocol=5
+        )
+        for r in range(world)
+    ]
+
+    def owner() -> Any:
+        return owned_key_problems([pickle.loads(p) for p in received])
+
+    seconds, peak, problems = measure(owner, memory)
+    assert problems == [], problems[:3]
+    row(world, f"check (owner, {load[busiest]} keys)", seconds, peak)
+    times["check"] = seconds
+    records = local_shard_records(sd)
+    seconds, peak, _ = measure(lambda: structure_digest(records, 0, world), memory)
+    row(world, "digest (rank)", seconds, peak)
+    times["digest"] = seconds
+    return times
+
+
+class PickleWriter:
+    """The coordinator's writer, minus the file: ``finish_assembled`` pickles."""
+
+    blob = b""
+
+    def finish_assembled(self, metadata: Any, data_files: Any) -> None:
+        self.blob = pickle.dumps(metadata, protocol=4)
+
+
+def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> dict[str, float]:
+    payloads, locations = [], []
+    for r in range(world):
+        records = rank_records(r, world, keys, optimizer)
+        plan = plan_records(records)
+        results = write_results(r, plan)
+        payloads.append(
+            pickle.dumps(("ok", (results, (plan, planner_data(plan, records)))), protocol=4)
+        )
+        locations.append(pickle.dumps(_item_locations(results), protocol=4))
+
+    def assemble() -> bytes:
+        gathered = [pickle.loads(p) for p in payloads]
+        metadata = MCoreSavePlanner.metadata_from_records([v[1] for _, v in gathered])
+        writer = PickleWriter()
+        _finish(writer, metadata, [v[0] for _, v in gathered])  # type: ignore[arg-type]
+        return writer.blob
+
+    seconds, peak, blob = measure(assemble, memory)
+    row(world, f"metadata* ({len(blob) >> 10} KiB)", seconds, peak)
+    times = {"metadata": seconds}
+    cached = load_metadata(io.BytesIO(blob))
+
+    def reuse() -> bytes:
+        data_files_from_records(loc for p in locations for loc in pickle.loads(p))
+        return pickle.dumps(cached, protocol=4)
+
+    seconds, peak, _ = measure(reuse, memory)
+    row(world, "cached metadata*", seconds, peak)
+    times["cached"] = seconds
+    row(world, "unpickle (load)", *measure(lambda: load_metadata(io.BytesIO(blob)), memory)[:2])
+    assert _compact_results(_expand_results(pickle.loads(payloads[0])[1][0])) is not None
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--tensors", type=int, default=1000, help="model tensors per rank")
+    parser.add_argument("--optimizer", action="store_true", help="add distributed-optimizer state")
+    parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
+    parser.add_argument("--skip-old", action="store_true", help="skip the centralized check")
+    args = parser.parse_args()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # under torchrun: rank 0 simulates every rank by itself
+    keys = param_keys(args.tensors)
+    print(f"TP={TP}, {args.tensors} model tensors per rank, optimizer state: {args.optimizer}")
+    print(f"{'ranks':>6} {'step':24} {'cpu s':>9} {'peak MiB':>10}")
+    for world in args.ranks:
+        if world % TP:
+            raise SystemExit(f"--ranks must be multiples of {TP}")
+        check_simulation(world, keys, args.optimizer)
+        v = run_validation(world, keys, args.optimizer, not args.no_memory, not args.skip_old)
+        m = run_metadata(world, keys, args.optimizer, not args.no_memory)
+        # The coordinator also bins its own records and owns keys like any rank.
+        row(world, "= first save*", v["bin"] + v["check"] + m["metadata"], None)
+        row(world, "= cached save*", v["digest"] + m["cached"], None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The sharding check split by key, simulated in one process (one owner report per
+simulated rank, merged): it must list exactly the problems of the single-rank check,
+in the same order."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dist_checkpointing.engine.sharding_check import (
+    ShardRecord,
+    merge_key_problems,
+    shard_record,
+    sharding_integrity_problems,
+)
+from dist_checkpointing.engine.sharding_split import (
+    key_owner,
+    owned_key_problems,
+    records_by_owner,
+    structure_digest,
+)
+from dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from tests.unit.test_validation_properties import (
+    PERTURBATIONS,
+    PROPERTY_SETTINGS,
+    Layout,
+    _perturb,
+    object_layouts,
+    tensor_layouts,
+)
+
+
+def split_problems(metadata: list[list[object]]) -> list[str]:
+    """What every rank of the split check reports: each simulated rank bins its records
+    by owner, each owner checks what it received, the reports are merged."""
+    world = len(metadata)
+    outgoing = [records_by_owner([shard_record(sh) for sh in md], world) for md in metadata]  # type: ignore[arg-type]
+    reports = [
+        owned_key_problems([outgoing[src][owner] for src in range(world)]) for owner in range(world)
+    ]
+    return merge_key_problems(reports)
+
+
+@PROPERTY_SETTINGS
+@given(
+    a=tensor_layouts("a"),
+    b=tensor_layouts("b"),
+    flat=tensor_layouts("c", flat=True),
+    objects=object_layouts(),
+    data=st.data(),
+    broken=st.sets(st.sampled_from(["a", "b", "c", "obj"])),
+)
+def test_split_check_reports_what_the_single_rank_check_reports(
+    a: Layout, b: Layout, flat: Layout, objects: Layout, data: st.DataObject, broken: set[str]
+) -> None:
+    parts = {"a": a, "b": b, "c": flat, "obj": objects}
+    shards = []
+    for name, layout in parts.items():
+        if name in broken and layout.shards:
+            names = ["drop", "duplicate"] if name == "obj" else list(PERTURBATIONS)
+            _, (perturbed, _) = _perturb(data.draw, layout, names)
+            shards += perturbed
+        else:
+            shards += layout.shards
+    world = max(layout.world_size for layout in parts.values())
+    metadata = Layout(world, shards).metadata()
+    assert split_problems(metadata) == sharding_integrity_problems(metadata)
+
+
+def test_a_key_used_as_tensor_and_object_is_reported_by_its_owner() -> None:
+    t = ShardedTensor("k", None, torch.float32, (4,), (4,), (0,), None)
+    o = ShardedObject("k", None, (1,), (0,))
+    metadata: list[list[object]] = [[t], [o], []]
+    expected = sharding_integrity_problems(metadata)  # type: ignore[arg-type]
+    assert expected[0] == "'k': used both as a ShardedTensor and as a ShardedObject"
+    assert split_problems(metadata) == expected
+
+
+def test_owner_is_stable_and_spread() -> None:
+    owners = [key_owner(f"decoder.layers.{i}.weight", 64) for i in range(1000)]
+    assert owners == [key_owner(f"decoder.layers.{i}.weight", 64) for i in range(1000)]
+    assert len(set(owners)) == 64  # a thousand keys reach every one of 64 owners
+    assert key_owner("w", 1) == 0
+
+
+def test_digest_follows_records_rank_and_world() -> None:
+    rec = ShardRecord("w", True, "torch.float32", (4,), (0,), (2,), None, True)
+    base = structure_digest([rec], 0, 2)
+    assert base == structure_digest([ShardRecord(*rec)], 0, 2)
+    assert base != structure_digest([rec._replace(global_offset=(2,))], 0, 2)
+    assert base != structure_digest([rec], 1, 2)
+    assert base != structure_digest([rec], 0, 4)
+    assert 0 <= base < 2**63
