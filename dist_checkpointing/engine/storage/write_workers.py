@@ -110,6 +110,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
         # Every item is checksummed (CRC32C blocks) as its bytes go to the file.
         stream = ChecksumStream(raw, bucket.checksum_block_bytes)
         offset = 0
+        compute_crc = torch.serialization.get_crc32_options()  # once per file, not per item
         for item, data in bucket.byte_items:
             stream.begin_item()
             length = stream.write(data.getbuffer())
@@ -121,7 +122,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
                 # Never happens in forked workers: the async path stages first.
                 tensor = tensor.cpu()
             stream.begin_item()
-            length = item_writer.write_tensor(stream, tensor)  # type: ignore[arg-type]
+            length = item_writer.write_tensor(stream, tensor, compute_crc)  # type: ignore[arg-type]
             results.append(_result(item, bucket.relative_path, offset, length, stream.end_item()))
             offset += length
         if sync_files:

@@ -185,7 +185,10 @@ class ReadLayout:
         sh: ShardedTensor,
     ) -> None:
         """Read the stored box straight into ``data`` (or via staging if it cannot)."""
-        view = data.view(sizes) if data.is_contiguous() else None
+        if data.shape == sizes:  # the common case: no new view (microseconds per item)
+            view: torch.Tensor | None = data if data.is_contiguous() else None
+        else:
+            view = data.view(sizes) if data.is_contiguous() else None
         if view is not None and _contiguous_dest(view, stored_dtype):
             self._add_chunk(key, offsets, sizes, _Target(view))
             return
