@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,16 @@ RAW_TARGETS = {"raw_bytes": 0.95, "ours": 0.85}
 DCP_TARGET = 20.0  # times plain DCP's speed on the mid case
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop torchrun and its ranks: SIGTERM (torchrun stops its ranks), then SIGKILL."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def launch(nproc: int, args: argparse.Namespace, passthrough: list[str]) -> dict[str, Any]:
     """Run table_run.py on ``nproc`` ranks; its JSON results (or the failure)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,15 +78,19 @@ def launch(nproc: int, args: argparse.Namespace, passthrough: list[str]) -> dict
         ]
         print(f"== {nproc} rank(s): {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, timeout=args.timeout, check=False)
+            failure = f"torchrun exited with {proc.wait(timeout=args.timeout)}"
         except subprocess.TimeoutExpired:
-            return {"ranks": nproc, "error": f"timed out after {args.timeout} s"}
-        if proc.returncode != 0 or not os.path.exists(out):
-            return {"ranks": nproc, "error": f"torchrun exited with {proc.returncode}"}
+            stop(proc)
+            failure = f"timed out after {args.timeout:.0f} s"
+        if not os.path.exists(out):
+            return {"ranks": nproc, "error": failure}
         with open(out) as f:
             result: dict[str, Any] = json.load(f)
-            return result
+        if not result.get("complete"):
+            result["error"] = failure  # the rows measured before it stopped are kept
+        return result
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -104,17 +119,16 @@ def row(case: str, nranks: int, method: str, info: dict[str, Any], c: dict[str, 
 def rows(results: list[dict[str, Any]]) -> list[list[str]]:
     out = []
     cases = [c for r in results for c in r.get("cases", {})]
-    for case in dict.fromkeys(cases):
+    for case in dict.fromkeys(cases or ["-"]):
         for r in results:
-            if "error" in r:
-                out.append([case, str(r["ranks"]), "*", r["error"]])
-                continue
-            c = r["cases"].get(case)
-            if c is None:
-                continue
-            for method in METHOD_ORDER:
-                if method in c["methods"]:
-                    out.append(row(case, r["ranks"], method, c["methods"][method], c))
+            c = r.get("cases", {}).get(case)
+            if c is not None:
+                for method in METHOD_ORDER:
+                    if method in c["methods"]:
+                        out.append(row(case, r["ranks"], method, c["methods"][method], c))
+            last = list(r.get("cases", {}))[-1:]
+            if "error" in r and (c is None or [case] == last):  # where this rank count stopped
+                out.append([case, str(r["ranks"]), "(rest)", f"not measured: {r['error']}"])
     return out
 
 

@@ -132,6 +132,14 @@ def run_method(method: Method, sizes: list[int], args: argparse.Namespace) -> di
     return out
 
 
+def save_json(result: dict[str, Any], out: str) -> None:
+    """Rank 0 writes the results so far (a run cut short by a timeout keeps them)."""
+    if rank() == 0:
+        with open(out + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(out + ".tmp", out)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     presets = QUICK if args.quick else FULL
     counts = {
@@ -144,6 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.cases.split(","):
         sizes = case_sizes(name, counts[name], big_mib)
         case: dict[str, Any] = {"tensors": len(sizes), "bytes": sum(sizes), "methods": {}}
+        result["cases"][name] = case
         for method in by_name(args.methods.split(",") if args.methods else None):
             reason = method.unavailable()
             case["methods"][method.name] = (
@@ -151,7 +160,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if reason
                 else {"status": "ok", **run_method(method, sizes, args)}
             )
-        result["cases"][name] = case
+            save_json(result, args.out)
+    result["complete"] = True
     return result
 
 
@@ -177,10 +187,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     args.root = os.path.join(args.dir or tempfile.gettempdir(), f"dist_ckpt_table_{world()}")
     try:
-        result = run(args)
-        if rank() == 0:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+        save_json(run(args), args.out)
     finally:
         dist.barrier()
         if rank() == 0:
