@@ -84,8 +84,14 @@ def read_items(
     common case) becomes one read item directly; anything else goes through
     DCP's general overlap computation.
     """
-    stored = {(tuple(c.offsets), tuple(c.sizes)): i for i, c in enumerate(md.chunks)}
-    exact = [stored.get((tuple(c.offsets), tuple(c.sizes))) for c in chunks]
+    if len(md.chunks) == 1 and len(chunks) == 1:  # one stored chunk, one request: no index
+        only = md.chunks[0]
+        want = chunks[0]
+        same = tuple(only.offsets) == tuple(want.offsets) and tuple(only.sizes) == tuple(want.sizes)
+        exact: list[int | None] = [0 if same else None]
+    else:
+        stored = {(tuple(c.offsets), tuple(c.sizes)): i for i, c in enumerate(md.chunks)}
+        exact = [stored.get((tuple(c.offsets), tuple(c.sizes))) for c in chunks]
     if None not in exact:
         return [
             ReadItem(
