@@ -25,7 +25,7 @@ help:
 	@echo "make lint       ruff check, ruff format --check, mypy --strict"
 	@echo "make format     apply ruff fixes and formatting"
 	@echo "make docs       build the HTML docs into $(DOCS_BUILD)/html"
-	@echo "make bench      run bench/*.py on $(NPROC) ranks"
+	@echo "make bench      the benchmark table on 1, 2 and 4 ranks (BENCH_ARGS=--quick: small)"
 	@echo "make install    create $(VENV); install the package, its dev tools and extras"
 	@echo "                (nvrx, msc) and the test servers (moto[server], boto3)"
 	@echo "make clean      remove build, cache and docs output (distclean: also $(VENV))"
@@ -60,16 +60,11 @@ docs: $(STAMP)
 	$(BIN)/sphinx-build -W --keep-going -b html docs $(DOCS_BUILD)/html
 	@echo "docs: open $(DOCS_BUILD)/html/index.html"
 
-# Every bench/*.py that is a script (has a __main__ block), each given $(BENCH_ARGS);
-# helper modules are skipped. Example: make bench BENCH_ARGS="--size-mib 64".
+# The benchmark table (bench/table.py): every method and case on 1, 2 and 4 ranks, one
+# torchrun per rank count, one merged table. Quick smoke run: make bench BENCH_ARGS="--quick".
+# The other bench/*.py scripts are run by hand with torchrun (see docs/performance.rst).
 bench: $(STAMP)
-	@shopt -s nullglob; ran=0; \
-	for script in bench/*.py; do \
-		grep -q "__main__" "$$script" || continue; \
-		echo "== $$script"; ran=1; \
-		$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) "$$script" $(BENCH_ARGS); \
-	done; \
-	[ $$ran -eq 1 ] || echo "bench: no benchmark scripts in bench/"
+	$(BIN)/python bench/table.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info $(DOCS_BUILD) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -236,6 +236,7 @@ _PKL_NAME = (_ARCHIVE + "data.pkl").encode()
 
 
 _HEAD_BYTES = 4096
+_PKL_PROBE_BYTES = 512
 
 
 def _match_template(read_at: ReadAt, length: int) -> TensorRecord | None:
@@ -248,7 +249,10 @@ def _match_template(read_at: ReadAt, length: int) -> TensorRecord | None:
     if len(head) < _LOCAL.size + len(_PKL_NAME) or bytes(head[30:46]) != _PKL_NAME:
         return None
     start = _LOCAL.size + len(_PKL_NAME) + _LOCAL.unpack_from(head)[10]
-    end = bytes(head[start:]).find(b"PK\x07\x08")
+    # data.pkl of one tensor is short: look for its end in the first bytes, then further.
+    end = bytes(head[start : start + _PKL_PROBE_BYTES]).find(b"PK\x07\x08")
+    if end < 0:
+        end = bytes(head[start:]).find(b"PK\x07\x08")
     if end <= 0 or _record_name_hash() is None:
         return None
     pickled = bytes(head[start : start + end])

@@ -41,13 +41,16 @@ _PARALLEL_CRC_BYTES = 8 << 20
 _CACHE_CHUNK_BYTES = 1 << 20
 
 
-def write_tensor(stream: BinaryIO, tensor: torch.Tensor) -> int:
+def write_tensor(stream: BinaryIO, tensor: torch.Tensor, compute_crc: bool | None = None) -> int:
     """Write ``torch.save(tensor)`` to ``stream``; return the number of bytes written.
 
     ``tensor`` must be on the CPU. The bytes equal ``torch.save``'s output, also with
     ``torch.serialization.set_crc32_options(False)`` (then no checksums are computed).
+    ``compute_crc``: torch's crc32 option, when the caller read it already (once for
+    many items); None reads it.
     """
-    compute_crc = torch.serialization.get_crc32_options()
+    if compute_crc is None:
+        compute_crc = torch.serialization.get_crc32_options()
     if not _fast_path_applies(tensor, compute_crc):
         start = stream.tell()
         torch.save(tensor, stream)

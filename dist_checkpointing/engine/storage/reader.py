@@ -248,7 +248,9 @@ class FileSystemReader(StorageReader):
                 planner.load_bytes(read_item, data)
             return
         with lock:
-            target = planner.resolve_tensor(read_item).detach()
+            target = planner.resolve_tensor(read_item)
+        if target.requires_grad:
+            target = target.detach()
         record = None
         if self.fast_path:
             try:

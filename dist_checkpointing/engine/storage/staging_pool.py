@@ -334,7 +334,10 @@ class TensorItemWriter:
     (also after a failure: it waits for copies still running and frees their buffers).
     """
 
-    def __init__(self, tensor_items: Sequence[tuple[Any, torch.Tensor]]) -> None:
+    def __init__(
+        self, tensor_items: Sequence[tuple[Any, torch.Tensor]], compute_crc: bool | None = None
+    ) -> None:
+        self._compute_crc = compute_crc  # torch's crc32 option, read once by the caller
         on_device = [i for i, (_, t) in enumerate(tensor_items) if not t.is_cpu]
         pool = shared_pool() if on_device else None
         self.streamed = (
@@ -362,7 +365,7 @@ class TensorItemWriter:
             # No pool (COPY_AHEAD_BYTES=0) or a tensor the streamed writer does not
             # handle: one whole copy at a time.
             tensor = tensor.cpu()
-        return item_writer.write_tensor(stream, tensor)
+        return item_writer.write_tensor(stream, tensor, self._compute_crc)
 
     def _pieces(self) -> Iterator[memoryview]:
         for chunk in self._chunks:

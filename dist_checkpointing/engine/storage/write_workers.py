@@ -133,12 +133,13 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
         # Every item is checksummed (CRC32C blocks) as its bytes go to the file.
         stream = ChecksumStream(raw, bucket.checksum_block_bytes)
         offset = 0
+        compute_crc = torch.serialization.get_crc32_options()  # once per file, not per item
         for item, data in bucket.byte_items:
             stream.begin_item()
             length = stream.write(data.getbuffer())
             results.append(_result(item, bucket.relative_path, offset, length, stream.end_item()))
             offset += length
-        staged = TensorItemWriter(bucket.tensor_items)
+        staged = TensorItemWriter(bucket.tensor_items, compute_crc)
         try:
             for i, (item, tensor) in enumerate(bucket.tensor_items):
                 stream.begin_item()

@@ -127,19 +127,24 @@ class MCoreSavePlanner(DefaultSavePlanner):
         chunk = stored_chunk(sh)
         if sh.flattened_range is not None:
             self.mcore_data[key] = {ND_REFORMULATED_SHAPE_KEY: tuple(sh.global_shape)}
-        else:
-            self.mcore_data.setdefault(key, {})
-        index = MetadataIndex(key, _size(chunk.offsets))
-        if sh.data is None:
+        elif key not in self.mcore_data:
+            self.mcore_data[key] = {}
+        data = sh.data
+        if data is None:
             raise ShapeMismatchError(f"ShardedTensor '{key}' has no data to save")
-        self._data[index] = sh.data.reshape(chunk.sizes)
+        sizes = torch.Size(chunk.sizes)
+        # Distinct (equal) objects for the index and the chunk, as before: pickle
+        # memoizes shared objects, and the metadata bytes must not change.
+        index = MetadataIndex(key, torch.Size(chunk.offsets))
+        # A new view per item costs microseconds: reshape only when the shape differs.
+        self._data[index] = data if data.shape == sizes else data.reshape(sizes)
         return WriteItem(
             index=index,
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=_size(chunk.offsets), sizes=_size(chunk.sizes)),
+                chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=sizes),
                 properties=TensorProperties(dtype=sh.dtype),
-                size=_size(chunk.global_shape),
+                size=torch.Size(chunk.global_shape),
             ),
         )
 
@@ -335,7 +340,10 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         dest = self.layout.target(read_item).dest
-        return dest[box_slices(tuple(read_item.dest_offsets), tuple(read_item.lengths))]
+        lengths = read_item.lengths
+        if dest.shape == lengths and not any(read_item.dest_offsets):
+            return dest  # the whole destination: no new view (microseconds per item)
+        return dest[box_slices(tuple(read_item.dest_offsets), tuple(lengths))]
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         staging = self.layout.target(read_item).staging

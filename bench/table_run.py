@@ -1,0 +1,199 @@
+"""One run of the benchmark table on the ranks of this torchrun; ``bench/table.py``
+launches it at each rank count and merges the JSON it writes (``--out``, rank 0).
+
+    torchrun --standalone --nproc_per_node=2 bench/table_run.py --out r2.json [--quick]
+
+The cases are global: a case's tensors are spread over the ranks whole (rank r holds
+tensors r, r + ranks, ...), except for ``fully_parallel``, where every rank holds every
+tensor (a replicated layout) and the fully parallel wrappers spread the work. Every
+method saves the same bytes. Timings are barrier to barrier, the slowest rank, the
+median of ``--repeat`` runs; loads read from the page cache right after the saves
+(``--cold``: from the disk). Peak RSS is the largest rank's (with its child processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from common import evict, measured, rank, world
+from table_methods import Method, Raw, by_name
+
+KIB = 1024
+MID_SIZES_KIB = (4, 8, 16, 32, 64)  # the 4-64 KiB case cycles through these
+
+# name -> (tensors, bytes of each tensor by index), full mode and --quick.
+FULL = {"big": (200, 1024), "mid": (10_000, 0), "small": (100_000, 0)}
+QUICK = {"big": (50, 64), "mid": (1_000, 0), "small": (5_000, 0)}
+
+
+def case_sizes(name: str, count: int, big_mib: int) -> list[int]:
+    """Bytes of each tensor of a case (multiples of 4: float32)."""
+    if name == "big":
+        return [(big_mib << 20) // count // 4 * 4] * count
+    if name == "mid":
+        return [MID_SIZES_KIB[i % len(MID_SIZES_KIB)] * KIB for i in range(count)]
+    return [KIB] * count
+
+
+def make_tensors(sizes: list[int], replicated: bool) -> dict[str, torch.Tensor]:
+    """This rank's tensors; tensor i is filled with ``i % 1000 + 1`` (checked on load)."""
+    mine = range(len(sizes)) if replicated else range(rank(), len(sizes), world())
+    return {f"t{i:06d}": torch.full((sizes[i] // 4,), float(i % 1000 + 1)) for i in mine}
+
+
+def zero(local: dict[str, torch.Tensor]) -> None:
+    for t in local.values():
+        t.zero_()
+
+
+def check(local: dict[str, torch.Tensor], method: str) -> None:
+    bad = [k for k, t in local.items() if t.numel() and (t[0] != int(k[1:]) % 1000 + 1)]
+    bad += [k for k, t in local.items() if t.numel() and (t[-1] != t[0])]
+    if bad:
+        raise RuntimeError(f"{method}: rank {rank()} loaded wrong values for {bad[:5]}")
+
+
+def count_files(path: str) -> int:
+    return sum(len(names) for _, _, names in os.walk(path))
+
+
+def fresh_dir(root: str, name: str) -> str:
+    path = os.path.join(root, name)
+    if rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    dist.barrier()
+    return path
+
+
+def drop_dir(path: str) -> None:
+    dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def time_plans(method: Method, local: dict[str, torch.Tensor], root: str) -> list[float]:
+    """Seconds of the planning step (validation and plan, the part of an async save that
+    blocks before staging) of a first save and of a second save of the same structure
+    with the strategy's cached-structure option."""
+    strategy = method.cached_strategy()
+    out = []
+    for i in range(2):
+        path = fresh_dir(root, f"plan{i}")
+        with measured() as m:
+            request = method.plan_save(local, path, strategy)
+        request.execute_sync()
+        out.append(m[0].seconds)
+        drop_dir(path)
+    return out
+
+
+def run_method(method: Method, sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    local = make_tensors(sizes, method.replicated)
+    state = torch.tensor([sum(t.nbytes for t in local.values())], dtype=torch.int64)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    if isinstance(method, Raw):
+        method.setup(local)
+    saves, loads, peak, files = [], [], 0, 0
+    for i in range(args.repeat):
+        path = fresh_dir(args.root, f"{method.name}{i}")
+        with measured() as m:
+            method.save(local, path)
+        saves.append(m[0].seconds)
+        peak = max(peak, m[0].peak_rss)
+        files = count_files(path) if rank() == 0 else 0
+        zero(local)
+        if args.cold:
+            evict(path)
+        with measured() as m:
+            method.load(local, path)
+        loads.append(m[0].seconds)
+        peak = max(peak, m[0].peak_rss)
+        if not isinstance(method, Raw):
+            check(local, method.name)
+        drop_dir(path)
+    out: dict[str, Any] = {
+        "save_s": statistics.median(saves),
+        "load_s": statistics.median(loads),
+        "peak_rss": peak,
+        "state_bytes": int(state),
+        "files": files,
+    }
+    if method.plans and not args.no_plan:
+        out["plan_first_s"], out["plan_cached_s"] = time_plans(method, local, args.root)
+    return out
+
+
+def save_json(result: dict[str, Any], out: str) -> None:
+    """Rank 0 writes the results so far (a run cut short by a timeout keeps them)."""
+    if rank() == 0:
+        with open(out + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(out + ".tmp", out)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    presets = QUICK if args.quick else FULL
+    counts = {
+        "big": args.big_count or presets["big"][0],
+        "mid": args.mid_count or presets["mid"][0],
+        "small": args.small_count or presets["small"][0],
+    }
+    big_mib = args.big_mib or presets["big"][1]
+    result: dict[str, Any] = {"ranks": world(), "cases": {}}
+    for name in args.cases.split(","):
+        sizes = case_sizes(name, counts[name], big_mib)
+        case: dict[str, Any] = {"tensors": len(sizes), "bytes": sum(sizes), "methods": {}}
+        result["cases"][name] = case
+        for method in by_name(args.methods.split(",") if args.methods else None):
+            reason = method.unavailable()
+            case["methods"][method.name] = (
+                {"status": reason}
+                if reason
+                else {"status": "ok", **run_method(method, sizes, args)}
+            )
+            save_json(result, args.out)
+    result["complete"] = True
+    return result
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file written by rank 0")
+    p.add_argument("--quick", action="store_true", help="smaller cases (a smoke run)")
+    p.add_argument("--cases", default="big,mid,small")
+    p.add_argument("--methods", default="", help="comma-separated subset (default: all)")
+    p.add_argument("--big-mib", type=int, default=0, help="MiB of the big case")
+    p.add_argument("--big-count", type=int, default=0, help="tensors of the big case")
+    p.add_argument("--mid-count", type=int, default=0, help="tensors of the 4-64 KiB case")
+    p.add_argument("--small-count", type=int, default=0, help="tensors of the 1 KiB case")
+    p.add_argument("--repeat", type=int, default=1, help="median of N runs")
+    p.add_argument("--cold", action="store_true", help="drop files from the page cache")
+    p.add_argument("--no-plan", action="store_true", help="skip the planning timings")
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    dist.init_process_group("gloo")
+    args.root = os.path.join(args.dir or tempfile.gettempdir(), f"dist_ckpt_table_{world()}")
+    try:
+        save_json(run(args), args.out)
+    finally:
+        dist.barrier()
+        if rank() == 0:
+            shutil.rmtree(args.root, ignore_errors=True)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
