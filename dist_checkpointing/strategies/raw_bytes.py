@@ -31,7 +31,7 @@ from ..engine.collectives import RankGroup, raise_on_all_ranks
 from ..engine.raw import load as raw_load
 from ..engine.raw.index import DATA_SUFFIX, INDEX_NAME, KIND_OBJECT, is_raw_bytes_file
 from ..engine.raw.save import save_request
-from ..engine.safety import safe_torch_load
+from ..engine.safety import object_loader
 from ..engine.storage.location import CheckpointDir
 from ..mapping import ShardedBase, ShardedStateDict, StateDict
 from .base import (
@@ -169,17 +169,6 @@ class RawBytesLoadShardedStrategy(LoadShardedStrategy):
     def check_version_compatibility(self, loaded_version: int) -> None:
         check_compatibility(self, "sharded backend version", loaded_version, VERSION)
 
-    def _load_object(self, checkpoint_dir: Any) -> Any:
-        def load(data: bytes, key: str) -> Any:
-            return safe_torch_load(
-                data,
-                source=f"{checkpoint_dir}: object '{key}'",
-                trusted=self.trusted,
-                allowed_types=self.allowed_types,
-            )
-
-        return load
-
     def load(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
     ) -> StateDict:
@@ -189,7 +178,10 @@ class RawBytesLoadShardedStrategy(LoadShardedStrategy):
         error: BaseException | None = None
         try:
             leaves = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedBase)]
-            raw_load.load_leaves(leaves, ckpt, self._load_object(ckpt))
+            load_object = object_loader(
+                ckpt, trusted=self.trusted, allowed_types=self.allowed_types
+            )
+            raw_load.load_leaves(leaves, ckpt, load_object)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
         raise_on_all_ranks(error, self.process_group, what=f"Loading {ckpt}")

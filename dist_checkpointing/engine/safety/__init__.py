@@ -27,7 +27,7 @@ from .allowlist import (
     is_allowed_metadata_global,
 )
 from .metadata import load_metadata
-from .torch_load import safe_torch_load
+from .torch_load import object_loader, safe_torch_load
 
 __all__ = [
     "MCORE_SAVE_PLAN_GLOBAL",
@@ -35,5 +35,6 @@ __all__ = [
     "allowed_metadata_globals",
     "is_allowed_metadata_global",
     "load_metadata",
+    "object_loader",
     "safe_torch_load",
 ]

@@ -107,6 +107,23 @@ def _new_safe_globals(
     return [t for t in candidates if t not in registered]
 
 
+def object_loader(
+    checkpoint_dir: object, *, trusted: bool, allowed_types: Sequence[type]
+) -> Callable[[bytes, str], Any]:
+    """``load(data, key)``: :func:`safe_torch_load` of ShardedObject ``key``'s payload
+    from ``checkpoint_dir`` (named in errors), what every load strategy hands its reader."""
+
+    def load(data: bytes, key: str) -> Any:
+        return safe_torch_load(
+            data,
+            source=f"{checkpoint_dir}: object '{key}'",
+            trusted=trusted,
+            allowed_types=allowed_types,
+        )
+
+    return load
+
+
 def safe_torch_load(
     data: bytes | bytearray | memoryview | BinaryIO,
     *,

@@ -14,7 +14,6 @@ import os
 import pickle
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from ...engine.async_save.request import AsyncRequest
 from ...engine.checkpoint import commit
 from ...engine.collectives import raise_on_all_ranks
 from ...engine.raw.index import is_raw_bytes_file
-from ...engine.safety import safe_torch_load
+from ...engine.safety import object_loader
 from ...engine.sharding_split import ValidatedStructure
 from ...engine.storage.bucketing import is_data_file_of
 from ...engine.storage.location import CheckpointDir
@@ -274,17 +273,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def check_version_compatibility(self, loaded_version: int) -> None:
         check_compatibility(self, "sharded backend version", loaded_version, VERSION)
 
-    def _object_loader(self, checkpoint_dir: str | os.PathLike[str]) -> Any:
-        def load(data: bytes, key: str) -> Any:
-            return safe_torch_load(
-                data,
-                source=f"{checkpoint_dir}: object '{key}'",
-                trusted=self.trusted,
-                allowed_types=self.allowed_types,
-            )
-
-        return load
-
     def load(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
     ) -> StateDict:
@@ -317,7 +305,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         reader = FileSystemReader(CheckpointDir.of(checkpoint_dir))
         metadata = reader.read_metadata()
         is_coordinator = not dist.is_initialized() or dist.get_rank(self.process_group) == 0
-        planner = MCoreLoadPlanner(self._object_loader(checkpoint_dir))
+        planner = MCoreLoadPlanner(
+            object_loader(checkpoint_dir, trusted=self.trusted, allowed_types=self.allowed_types)
+        )
         planner.set_up_planner(by_key, metadata, is_coordinator)
         reader.set_up_storage_reader(metadata, is_coordinator)
         plan = reader.prepare_local_plan(planner.create_local_plan())
