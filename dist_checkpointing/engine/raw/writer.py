@@ -22,13 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c as _crc32c
 import numpy as np
 import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from ..storage.base import FileSystemIO
-from ..storage.checksums import block_crcs
+from ..storage.checksums import block_crcs, crc
 from ..storage.names import safe_name
 from ..storage.resolve import filesystem_for
 from .index import (
@@ -262,7 +261,7 @@ def _write_file(
                 continue
             if block:  # checksummed as the bytes go out (one call for a small item)
                 if size <= block:
-                    crcs.append(_crc32c.crc32c(buf))
+                    crcs.append(crc(buf))
                 else:
                     crcs += block_crcs(buf, block)
             if fd is None:  # a stream (object storage): write it piece by piece
