@@ -80,6 +80,8 @@ class RequestCounter:
         import botocore.client
 
         self.counts: collections.Counter[str] = collections.Counter()
+        self.trace: list[tuple[float, float, str, str]] | None = None
+        self.start = time.perf_counter()
         lock = threading.Lock()
         original = botocore.client.BaseClient._make_api_call
         counts = self.counts
@@ -87,7 +89,15 @@ class RequestCounter:
         def counting(client: Any, operation: str, params: Any) -> Any:
             with lock:
                 counts[operation] += 1
-            return original(client, operation, params)
+            began = time.perf_counter()
+            try:
+                return original(client, operation, params)
+            finally:
+                if self.trace is not None:
+                    what = str(params.get("Key", params.get("Prefix", "")))
+                    rng = params.get("Range")
+                    what += f" {rng}" if rng else ""
+                    self.trace.append((began, time.perf_counter(), operation, what))
 
         botocore.client.BaseClient._make_api_call = counting  # type: ignore[method-assign]
 
@@ -95,7 +105,17 @@ class RequestCounter:
     def phase(self, into: dict[str, collections.Counter[str]], op: str) -> Iterator[None]:
         """Count the requests of one timed phase (all ranks), into ``into[op]``."""
         self.counts.clear()
+        self.start = time.perf_counter()
+        if self.trace is not None:
+            self.trace.clear()
         yield
+        if self.trace is not None:
+            for began, ended, operation, what in sorted(self.trace):
+                print(
+                    f"[rank {rank()}] {op} +{began - self.start:7.3f}s "
+                    f"{1000 * (ended - began):7.1f} ms  {operation} {what}",
+                    flush=True,
+                )
         gathered: list[Any] = [None] * world()
         dist.all_gather_object(gathered, dict(self.counts))
         into[op] = sum((collections.Counter(g) for g in gathered), collections.Counter())
@@ -289,9 +309,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--endpoint", default=None, help="use this S3 endpoint (no moto)")
     parser.add_argument("--bucket", default=None, help="an existing bucket at --endpoint")
+    parser.add_argument("--trace", action="store_true", help="print every S3 request, timed")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     COUNTER = RequestCounter()
+    if args.trace:
+        COUNTER.trace = []
     workdir = tempfile.mkdtemp(prefix="dist_ckpt_bench_os_") if rank() == 0 else ""
     holder = [workdir]
     dist.broadcast_object_list(holder, src=0)

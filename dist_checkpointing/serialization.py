@@ -29,8 +29,10 @@ from ._save_steps import (
     save_strategies,
     write_sharded,
 )
+from ._torch_compat import METADATA_FILE_NAME
+from .core import CONFIG_FNAME
 from .dict_utils import merge, nested_values
-from .engine.checkpoint import commit, integrity
+from .engine.checkpoint import commit, integrity, preload
 from .engine.collectives import ProcessGroup, RankGroup
 from .engine.process import gc_paused
 from .engine.sharding_split import validate_sharding_split
@@ -58,6 +60,7 @@ from .strategies.base import (
     expect_strategy,
     get_default_strategy,
 )
+from .strategies.common import COMMON_STATE_FNAME
 from .validation import (
     CkptShardedMetadata,
     StrictHandling,
@@ -72,6 +75,10 @@ from .validation import (
 logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
+
+# The whole files a load reads first, fetched by one rank for all where that saves
+# requests (object stores; see engine.checkpoint.preload).
+_SMALL_FILES = (CONFIG_FNAME, METADATA_FILE_NAME, COMMON_STATE_FNAME)
 
 __all__ = [
     "save",
@@ -409,6 +416,8 @@ def load(
     account = OpAccount(logger, "load", ckpt, RankGroup(process_group).rank)
     error: BaseException | None = None
     try:
+        if preload.wanted(ckpt):
+            preload.preload_small_files(ckpt, RankGroup(process_group), _SMALL_FILES)
         sharded, common = verify_checkpoint_and_load_strategy(
             ckpt, sharded_strategy, common_strategy, verify_checksums=verify_checksums
         )

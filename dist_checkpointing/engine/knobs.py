@@ -35,6 +35,9 @@ MSC_RETRY_DELAY_S              0.5        wait before the first retry (doubles e
 COPY_AHEAD_BYTES               268435456  host memory for staged copies of accelerator tensors
                                           while they are written or read (0: no bound)
 STAGING_BUFFER_BYTES           33554432   size of one buffer of the staging pool
+LOAD_PRELOAD                   1          small files of a load read once, by one rank, for
+                                          all: 0 never, 1 object stores, 2 every backend
+LOAD_PRELOAD_BYTES             268435456  most bytes of small files that one rank preloads
 ============================== ========== ===================================================
 """
 
@@ -160,6 +163,15 @@ COPY_AHEAD_BYTES = Knob(
 STAGING_BUFFER_BYTES = Knob(
     "STAGING_BUFFER_BYTES", 32 << 20, 4096, "size of one buffer of the staging pool"
 )
+LOAD_PRELOAD = Knob(
+    "LOAD_PRELOAD",
+    1,
+    0,
+    "a load's small files read by one rank for all: 0 never, 1 object stores, 2 always",
+)
+LOAD_PRELOAD_BYTES = Knob(
+    "LOAD_PRELOAD_BYTES", 256 << 20, 0, "most bytes of small files one rank preloads for all"
+)
 
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
@@ -187,6 +199,8 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     MSC_RETRY_DELAY_S,
     COPY_AHEAD_BYTES,
     STAGING_BUFFER_BYTES,
+    LOAD_PRELOAD,
+    LOAD_PRELOAD_BYTES,
 )
 
 __all__ = [
@@ -218,4 +232,6 @@ __all__ = [
     "MSC_RETRY_DELAY_S",
     "COPY_AHEAD_BYTES",
     "STAGING_BUFFER_BYTES",
+    "LOAD_PRELOAD",
+    "LOAD_PRELOAD_BYTES",
 ]

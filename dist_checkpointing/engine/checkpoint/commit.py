@@ -235,12 +235,9 @@ def _install(ckpt: CheckpointDir, record: CommitRecord) -> None:
 
 def read_record(ckpt: CheckpointDir) -> CommitRecord | None:
     """The checkpoint's commit record (None for checkpoints written without one)."""
-    path = ckpt.fs.join(ckpt.root, COMMIT_RECORD)
-    if not ckpt.fs.exists(path):
+    if not ckpt.has(COMMIT_RECORD):
         return None
-    with ckpt.fs.open_read(path) as stream:
-        data = stream.read()
-    return CommitRecord.from_bytes(data, path)
+    return CommitRecord.from_bytes(ckpt.read_unchecked(COMMIT_RECORD), ckpt.path(COMMIT_RECORD))
 
 
 def recover(ckpt: CheckpointDir, owns_file: Callable[[str], bool]) -> CommitRecord | None:
@@ -364,11 +361,7 @@ def open_for_read(ckpt: CheckpointDir, verify: bool = True) -> CommitRecord | No
     ctx = ckpt.context
     if record is None:
         return None
-    ctx.aliases = {
-        final: staged
-        for final, staged in record.install.items()
-        if ckpt.fs.exists(ckpt.fs.join(ckpt.root, staged))
-    }
+    ctx.aliases = {final: staged for final, staged in record.install.items() if ckpt.has(staged)}
     missing = [n for n in record.files if not ckpt.has(n)]
     if missing:
         hint = " (saved with verify_integrity=True)" if "integrity.json" in missing else ""

@@ -8,7 +8,7 @@ once per checkpoint location (see :mod:`.resolve`), so that another backend
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, BinaryIO, Protocol
 
@@ -115,6 +115,20 @@ class FileSystemIO(ABC):
     @abstractmethod
     def file_size(self, path: str) -> int:
         """Size of file ``path`` in bytes."""
+
+    def note_sizes(self, sizes: Mapping[str, int]) -> None:
+        """Sizes of files learnt elsewhere (from another rank): a backend for which
+        asking costs a request remembers them; the default ignores them."""
+        del sizes  # asking the local file system costs no round trip
+
+    def listdir_sizes(self, path: str) -> dict[str, int]:
+        """``{name: size}`` of the files in directory ``path`` (object stores: one
+        listing)."""
+        return {
+            name: self.file_size(self.join(path, name))
+            for name in self.listdir(path)
+            if not self.is_dir(self.join(path, name))
+        }
 
     def rename(self, src: str, dst: str) -> None:
         """Replace ``dst`` with ``src`` (atomically where the store can; durably).

@@ -13,6 +13,7 @@ verification parses ``.metadata`` once, not three times.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 from collections.abc import Callable, Sequence
@@ -76,6 +77,8 @@ class CheckpointDir:
     fs: FileSystemIO
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
     context: DirContext = field(default_factory=DirContext, repr=False)
+    # full path -> content (None: known not to exist), read once for every rank
+    _preloaded: dict[str, bytes | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, location: Location | CheckpointDir) -> CheckpointDir:
@@ -134,11 +137,32 @@ class CheckpointDir:
 
     def has(self, name: str) -> bool:
         """Whether ``name`` exists inside the checkpoint."""
-        return self.fs.exists(self.path(name))
+        path = self.path(name)
+        if path in self._preloaded:
+            return self._preloaded[path] is not None
+        return self.fs.exists(path)
 
     def size(self, name: str) -> int:
         """Size of file ``name`` in bytes."""
-        return self.fs.file_size(self.path(name))
+        path = self.path(name)
+        preloaded = self._preloaded_bytes(path)
+        return len(preloaded) if preloaded is not None else self.fs.file_size(path)
+
+    def preload(self, files: dict[str, bytes | None], sizes: dict[str, int]) -> None:
+        """Serve these files from memory (``None``: known missing) and remember the sizes
+        of others: what one rank read for every rank of a load (see
+        :mod:`~dist_checkpointing.engine.checkpoint.preload`). Names are relative to
+        the root; the handle's later reads of them cost no request."""
+        for name, data in files.items():
+            self._preloaded[self.fs.join(self.root, name)] = data
+        self.fs.note_sizes({self.fs.join(self.root, n): size for n, size in sizes.items()})
+        if any(data is not None for data in files.values()):
+            self._memo[_IS_DIR_KEY] = True
+
+    def _preloaded_bytes(self, path: str) -> bytes | None:
+        if self._preloaded.get(path) is None and path in self._preloaded:
+            raise FileNotFoundError(errno.ENOENT, "no such file", path)
+        return self._preloaded.get(path)
 
     # ------------------------------------------------------------------ I/O
 
@@ -163,14 +187,14 @@ class CheckpointDir:
                 ``holds`` of it).
             UnsafeCheckpointError: it is not a regular file.
         """
+        shown = ", ".join(repr(k) for k in holds[:10]) + (" ..." if len(holds) > 10 else "")
+        missing = f"data file {self.path(name)} is missing; it holds {shown}"
         try:
             stream = self.fs.open_data(self.path(name), spans)
         except FileNotFoundError:
-            shown = ", ".join(repr(k) for k in holds[:10])
-            raise CorruptCheckpointError(
-                f"data file {self.path(name)} is missing; it holds {shown}"
-                f"{' ...' if len(holds) > 10 else ''}"
-            ) from None
+            raise CorruptCheckpointError(missing) from None
+        if self.fs.implicit_directories:  # objects are fetched as they are read
+            stream = _MissingAware(stream, missing)
         try:
             size = stream.seek(0, io.SEEK_END)
             stream.seek(0)
@@ -182,10 +206,17 @@ class CheckpointDir:
     def read_bytes(self, name: str) -> bytes:
         """The whole content of file ``name`` (checked against the commit record when
         a load set one up)."""
-        data = self.fs.read_whole(self.path(name))
+        data = self.read_unchecked(name)
         if self.context.on_read is not None:
             self.context.on_read(name, data)
         return data
+
+    def read_unchecked(self, name: str) -> bytes:
+        """The whole content of file ``name``, not checked against the commit record
+        (the record itself)."""
+        path = self.path(name)
+        preloaded = self._preloaded_bytes(path)
+        return preloaded if preloaded is not None else self.fs.read_whole(path)
 
     def atomic_write(self, name: str, data: bytes, *, sync: bool = True) -> None:
         """Replace file ``name`` with ``data`` atomically (durably with ``sync``).
@@ -193,6 +224,7 @@ class CheckpointDir:
         During a save, a file with a staged name is written under that name.
         """
         self.forget(name)
+        self._preloaded.pop(self.path(name), None)
         target = name if self.context.stage is None else self.context.stage(name)
         self.fs.atomic_write(self.fs.join(self.root, target), data, sync=sync)
         if target != name:
@@ -204,6 +236,7 @@ class CheckpointDir:
         """Delete file ``name``."""
         self.forget(name)
         self.fs.remove(self.path(name))
+        self._preloaded.pop(self.path(name), None)
 
     # ------------------------------------------------------------------ memo
 
@@ -217,6 +250,40 @@ class CheckpointDir:
     def forget(self, key: str) -> None:
         """Drop what :meth:`memo` holds for ``key`` (the file it was read from changed)."""
         self._memo.pop(key, None)
+
+
+class _MissingAware:
+    """A data file whose object may turn out missing only when read (its size was
+    learnt from the commit record): ``FileNotFoundError`` becomes the message of
+    :meth:`CheckpointDir.open_data_file`."""
+
+    def __init__(self, stream: ReadStream, missing: str) -> None:
+        self._stream = stream
+        self._missing = missing
+
+    def read(self, size: int = -1, /) -> bytes:
+        try:
+            return self._stream.read(size)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(self._missing) from None
+
+    def readinto(self, buffer: Any, /) -> int | None:
+        try:
+            return self._stream.readinto(buffer)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(self._missing) from None
+
+    def seek(self, offset: int, whence: int = 0, /) -> int:
+        return self._stream.seek(offset, whence)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> _MissingAware:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 __all__ = ["CheckpointDir", "DirContext", "Location"]

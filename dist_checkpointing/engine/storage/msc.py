@@ -33,7 +33,7 @@ from __future__ import annotations
 import errno
 import io
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, BinaryIO, cast
 
@@ -68,6 +68,15 @@ class MscFileSystem(FileSystemIO):
 
     def parallel_reads(self) -> int:
         return knobs.MSC_READ_THREADS.get()
+
+    def note_sizes(self, sizes: Mapping[str, int]) -> None:
+        self._sizes.update(sizes)
+
+    def listdir_sizes(self, path: str) -> dict[str, int]:
+        """One listing; the sizes of the objects directly under ``path``."""
+        prefix = path.rstrip("/") + "/"
+        names = self._list(path, first_page_only=False)
+        return {n: self._sizes[prefix + n] for n in names if prefix + n in self._sizes}
 
     def join(self, directory: str, name: str) -> str:
         return f"{directory.rstrip('/')}/{name}"
