@@ -18,6 +18,8 @@ interleaved (raw, msc, raw, msc, ...) so that both see the same server and machi
   (``bytes=0-<size-1>``, one thread each) into a preallocated buffer;
 - ``raw-whole``: the same download as plain ``get_object`` (no ``Range``), to show what a
   ranged GET costs the server;
+- ``msc-read``: the same download through MSC's ``read`` (one GET of each whole object into
+  memory, then copied into the buffer): the transfer as MSC's public API gives it;
 - ``local``: the same checkpoint on local disk (a temporary directory).
 
 Printed: the times, the ratios msc/raw (target: at least 80% for save and load) and
@@ -101,6 +103,24 @@ class RequestCounter:
 
         botocore.client.BaseClient._make_api_call = counting  # type: ignore[method-assign]
 
+        # Our streaming GETs go over http.client with presigned URLs, not botocore.
+        from dist_checkpointing.engine.storage import msc_stream
+
+        send = msc_stream._send
+
+        def counting_send(key: Any, target: str, headers: dict[str, str]) -> Any:
+            with lock:
+                counts["GetObject (streamed)"] += 1
+            began = time.perf_counter()
+            try:
+                return send(key, target, headers)
+            finally:
+                if self.trace is not None:
+                    what = target.split("?", 1)[0] + " " + headers.get("Range", "")
+                    self.trace.append((began, time.perf_counter(), "GetObject (streamed)", what))
+
+        msc_stream._send = counting_send
+
     @contextmanager
     def phase(self, into: dict[str, collections.Counter[str]], op: str) -> Iterator[None]:
         """Count the requests of one timed phase (all ranks), into ``into[op]``."""
@@ -167,8 +187,10 @@ def s3_client(endpoint: str) -> Any:
     return boto3.client("s3", endpoint_url=endpoint, region_name=REGION, config=config, **KEYS)
 
 
-def msc_config(endpoint: str, bucket: str) -> dict[str, Any]:
-    options = {"base_path": bucket, "endpoint_url": endpoint, "region_name": REGION}
+def msc_config(endpoint: str, bucket: str, rust_client: bool = False) -> dict[str, Any]:
+    options: dict[str, Any] = {"base_path": bucket, "endpoint_url": endpoint, "region_name": REGION}
+    if rust_client:  # MSC's Rust HTTP client (plain http is allowed for the local server)
+        options["rust_client"] = {"allow_http": True}
     creds = {"access_key": KEYS["aws_access_key_id"], "secret_key": KEYS["aws_secret_access_key"]}
     return {
         "profiles": {
@@ -193,7 +215,7 @@ def setup_endpoint(args: argparse.Namespace, workdir: str) -> tuple[Any, str, st
             s3_client(endpoint).create_bucket(Bucket=bucket)
         config_path = os.path.join(workdir, "msc_config.json")
         with open(config_path, "w") as f:
-            json.dump(msc_config(endpoint, bucket), f)
+            json.dump(msc_config(endpoint, bucket, args.rust_client), f)
         info = [(endpoint, bucket, config_path)]
     dist.broadcast_object_list(info, src=0)
     endpoint, bucket, config_path = info[0]
@@ -242,12 +264,23 @@ def measure_raw(
 
         _in_threads(one, THREAD_COUNT)
 
+    def msc_get() -> None:
+        import multistorageclient
+
+        def one(p: int) -> None:
+            client, path = multistorageclient.resolve_storage_client(f"msc://bench/{key(p)}")
+            data = client.read(path)
+            views[p][: len(data)] = data
+
+        _in_threads(one, THREAD_COUNT)
+
     return {
         "raw": {
             "save": timed("raw", "save", counts, put),
             "load": timed("raw", "load", counts, lambda: get(True)),
         },
         "raw-whole": {"load": timed("raw-whole", "load", counts, lambda: get(False))},
+        "msc-read": {"load": timed("msc-read", "load", counts, msc_get)},
     }
 
 
@@ -310,6 +343,9 @@ def main() -> None:
     parser.add_argument("--endpoint", default=None, help="use this S3 endpoint (no moto)")
     parser.add_argument("--bucket", default=None, help="an existing bucket at --endpoint")
     parser.add_argument("--trace", action="store_true", help="print every S3 request, timed")
+    parser.add_argument(
+        "--rust-client", action="store_true", help="the MSC profile uses MSC's Rust client"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     COUNTER = RequestCounter()

@@ -365,6 +365,22 @@ def _metadata_files(ckpt: CheckpointDir, sharded: LoadShardedStrategy) -> list[s
 
 
 @_gc_paused_call
+def _open_for_load(
+    ckpt: CheckpointDir,
+    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None,
+    common_strategy: LoadCommonStrategy | tuple[str, int] | None,
+    verify_checksums: bool | None,
+    process_group: ProcessGroup,
+) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
+    """(Collective) Preload the small files where that saves requests, check that the
+    checkpoint is complete and pick its load strategies."""
+    if preload.wanted(ckpt):
+        preload.preload_small_files(ckpt, RankGroup(process_group), _SMALL_FILES)
+    return verify_checkpoint_and_load_strategy(
+        ckpt, sharded_strategy, common_strategy, verify_checksums=verify_checksums
+    )
+
+
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str | os.PathLike[str],
@@ -416,10 +432,8 @@ def load(
     account = OpAccount(logger, "load", ckpt, RankGroup(process_group).rank)
     error: BaseException | None = None
     try:
-        if preload.wanted(ckpt):
-            preload.preload_small_files(ckpt, RankGroup(process_group), _SMALL_FILES)
-        sharded, common = verify_checkpoint_and_load_strategy(
-            ckpt, sharded_strategy, common_strategy, verify_checksums=verify_checksums
+        sharded, common = _open_for_load(
+            ckpt, sharded_strategy, common_strategy, verify_checksums, process_group
         )
         sharded, common = allow_types(sharded, allowed_types), allow_types(common, allowed_types)
         strategies = (bind_process_group(sharded, process_group), common)

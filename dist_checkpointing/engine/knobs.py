@@ -30,6 +30,8 @@ MSC_READ_CHUNK_BYTES           67108864   most bytes one GET of an msc:// data f
 MSC_READ_AHEAD                 1          GETs of one msc:// file in flight ahead of the reader
 MSC_PREFETCH_WHOLE_FILES       0          1: download whole msc:// data files, read locally
 MSC_WRITE_SPOOL_BYTES          268435456  msc:// upload kept in memory (one PUT; then on disk)
+MSC_STREAM_READS               1          stream msc:// GETs into the tensors where the profile
+                                          can presign them (0: MSC's read, whole responses)
 MSC_ATTEMPTS                   3          tries of an msc:// request that failed to connect
 MSC_RETRY_DELAY_S              0.5        wait before the first retry (doubles each time)
 COPY_AHEAD_BYTES               268435456  host memory for staged copies of accelerator tensors
@@ -151,6 +153,9 @@ MSC_PREFETCH_WHOLE_FILES = Knob(
 MSC_WRITE_SPOOL_BYTES = Knob(
     "MSC_WRITE_SPOOL_BYTES", 256 << 20, 0, "msc:// upload kept in memory (one PUT)"
 )
+MSC_STREAM_READS = Knob(
+    "MSC_STREAM_READS", 1, 0, "stream msc:// GETs into the tensors (0: MSC's whole reads)"
+)
 MSC_ATTEMPTS = Knob("MSC_ATTEMPTS", 3, 1, "tries of an msc:// request that failed to connect")
 MSC_RETRY_DELAY_S = Knob("MSC_RETRY_DELAY_S", 0.5, 0.0, "seconds before the first msc:// retry")
 
@@ -195,6 +200,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     MSC_READ_AHEAD,
     MSC_PREFETCH_WHOLE_FILES,
     MSC_WRITE_SPOOL_BYTES,
+    MSC_STREAM_READS,
     MSC_ATTEMPTS,
     MSC_RETRY_DELAY_S,
     COPY_AHEAD_BYTES,
@@ -228,6 +234,7 @@ __all__ = [
     "MSC_READ_AHEAD",
     "MSC_PREFETCH_WHOLE_FILES",
     "MSC_WRITE_SPOOL_BYTES",
+    "MSC_STREAM_READS",
     "MSC_ATTEMPTS",
     "MSC_RETRY_DELAY_S",
     "COPY_AHEAD_BYTES",

@@ -10,6 +10,9 @@ multi-rank harness hands the parent's environment to each rank). Its profiles:
 - ``local``: a posix (local file system) profile under a temporary directory;
 - ``s3-badcreds``: the bucket with keys the server does not know (refused);
 - ``s3-down``: an endpoint where nothing listens (connection refused).
+- ``s3open``: a second moto server, in its own process and without request
+  authentication, which (unlike the first) serves presigned GETs: the profile on
+  which reads are streamed (:mod:`dist_checkpointing.engine.storage.msc_stream`).
 
 Tests take unique prefixes (:meth:`MscStore.url`), so they share the server safely.
 """
@@ -21,6 +24,9 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,16 +96,37 @@ def _s3_profile(endpoint: str, access_key: str, secret_key: str) -> dict[str, An
     }
 
 
-def msc_config(endpoint: str, access_key: str, secret_key: str, local_root: str) -> dict[str, Any]:
+def msc_config(
+    endpoint: str, access_key: str, secret_key: str, local_root: str, open_endpoint: str = ""
+) -> dict[str, Any]:
     """The MSC configuration of the test profiles (see the module docstring)."""
     return {
         "profiles": {
+            "s3open": _s3_profile(open_endpoint or endpoint, "open", "open"),
             "s3": _s3_profile(endpoint, access_key, secret_key),
             "local": {"storage_provider": {"type": "file", "options": {"base_path": local_root}}},
             "s3-badcreds": _s3_profile(endpoint, "AKIAUNKNOWNKEY000000", "wrong-secret"),
             "s3-down": _s3_profile(f"http://127.0.0.1:{free_port()}", "a", "b"),
         }
     }
+
+
+def _start_open_server() -> tuple[subprocess.Popen[bytes], str]:
+    """moto's S3 server in a process of its own (its authentication setting is global to
+    the process that runs it); stopped by the fixture."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("the second moto server did not start") from None
+            time.sleep(0.1)
 
 
 def _create_iam_user(endpoint: str) -> tuple[str, str]:
@@ -138,6 +165,7 @@ def msc_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MscStore]:
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     saved_env = os.environ.get("MSC_CONFIG")
+    open_server, open_endpoint = _start_open_server()
     try:
         access_key, secret_key = _create_iam_user(endpoint)
         root = tmp_path_factory.mktemp("msc")
@@ -146,7 +174,16 @@ def msc_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MscStore]:
         store = MscStore(endpoint, str(root / "msc_config.json"), access_key, secret_key, "")
         store.local_root = str(local_root)
         store.boto3_client().create_bucket(Bucket=BUCKET)
-        config = msc_config(endpoint, access_key, secret_key, str(local_root))
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=open_endpoint,
+            region_name=REGION,
+            aws_access_key_id="open",
+            aws_secret_access_key="open",
+        ).create_bucket(Bucket=BUCKET)
+        config = msc_config(endpoint, access_key, secret_key, str(local_root), open_endpoint)
         Path(store.config_path).write_text(json.dumps(config, indent=2))
         os.environ["MSC_CONFIG"] = store.config_path
         yield store
@@ -156,6 +193,8 @@ def msc_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MscStore]:
         else:
             os.environ["MSC_CONFIG"] = saved_env
         server.stop()
+        open_server.terminate()
+        open_server.wait(timeout=30)
         import moto.settings
 
         moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = float("inf")

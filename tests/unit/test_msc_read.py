@@ -47,6 +47,7 @@ class FakeStore:
 def store(monkeypatch: pytest.MonkeyPatch) -> FakeStore:
     fake = FakeStore(bytes(range(256)) * (40 * MIB // 256))
     monkeypatch.setattr(msc_read, "get", fake.get)
+    monkeypatch.setattr(msc_read, "open_stream", lambda *args, **kwargs: None)  # cannot presign
     return fake
 
 
@@ -124,3 +125,70 @@ def test_reading_everything_without_a_plan_is_one_get(store: FakeStore) -> None:
     assert reader.read() == store.data
     assert store.requests == [(0, len(store.data), True)]
     reader.close()
+
+
+# ----------------------------------------------------------------------------- streamed GETs
+
+
+class FakeStream:
+    """A streamed GET of ``data[start:end]`` (see ``msc_stream.Stream``)."""
+
+    def __init__(self, data: bytes, start: int, end: int) -> None:
+        self.data, self.pos, self.end = data, start, end
+
+    def readinto(self, view: memoryview) -> int:
+        n = max(0, min(len(view), self.end - self.pos))
+        view[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+    def skip(self, n: int) -> None:
+        self.pos = min(self.end, self.pos + n)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def streams(store: FakeStore, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
+    opened: list[tuple[int, int, bool]] = []
+
+    def open_stream(url: str, start: int, end: int, whole: bool) -> FakeStream:
+        opened.append((start, end, whole))
+        return FakeStream(store.data, 0 if whole else start, end)
+
+    monkeypatch.setattr(msc_read, "open_stream", open_stream)
+    return opened
+
+
+def test_streamed_item_reads_go_in_order_from_one_get(
+    store: FakeStore, streams: list[tuple[int, int, bool]]
+) -> None:
+    size = len(store.data)
+    reader = RangedReader("msc://p/f", size)
+    items = [(0, 3 * MIB), (3 * MIB, 5 * MIB)]
+    reader.plan(items)
+    for offset, length in items:
+        # an item's first 4 KiB, then its data from inside them, then its last bytes
+        assert _read(reader, offset, 4096) == store.data[offset : offset + 4096]
+        body = (offset + 1000, length - 1000 - 700)
+        assert _read(reader, *body) == store.data[body[0] : body[0] + body[1]]
+        tail = offset + length - 4096
+        assert _read(reader, tail, 4096) == store.data[tail : tail + 4096]
+    assert streams == [(0, 8 * MIB, False)] and store.requests == []
+
+
+def test_streamed_reads_far_away_open_new_gets(
+    store: FakeStore, streams: list[tuple[int, int, bool]]
+) -> None:
+    size = len(store.data)
+    reader = RangedReader("msc://p/f", size)
+    reader.plan([(0, size)])
+    assert _read(reader, 0, 2 * MIB) == store.data[: 2 * MIB]
+    # A gap under 1 MiB is read past; a small read behind what is kept is one ranged GET.
+    assert _read(reader, 2 * MIB + 500, 100) == store.data[2 * MIB + 500 : 2 * MIB + 600]
+    assert _read(reader, 10, 100) == store.data[10:110] and store.requests == [(10, 100, False)]
+    # A large read far ahead opens a GET from there to the end of the chunk.
+    far = 30 * MIB
+    assert _read(reader, far, MIB) == store.data[far : far + MIB]
+    assert streams == [(0, size, True), (far, size, False)]

@@ -44,6 +44,10 @@ class FileSystemIO(ABC):
     #: (object stores): a save may then target a location that does not exist yet.
     implicit_directories: bool = False
 
+    #: True where reading a file in offset order is much cheaper than any other order
+    #: (streamed object GETs): readers then avoid reading backwards where they can.
+    sequential_reads: bool = False
+
     def parallel_reads(self) -> int:
         """How many data files a rank reads at once at least (object stores: several,
         to hide the latency of each request)."""

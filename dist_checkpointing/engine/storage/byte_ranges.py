@@ -105,7 +105,8 @@ class ItemBytes:
         in_window = pos >= 0 and pos + length <= len(file.window)
         self.view = file.window[pos : pos + length] if in_window else None
         self.address = file.window_address + pos  # valid when windowed
-        self._edges: tuple[memoryview, memoryview] | None = None  # head and tail bytes
+        self._head: memoryview | None = None  # the first and last _EDGE_BYTES
+        self._tail: memoryview | None = None
         self.verifier: BlockVerifier | None = None
 
     def verify(self) -> None:
@@ -140,14 +141,16 @@ class ItemBytes:
         if self.view is not None:
             return self.view[offset : offset + n]
         if n <= _EDGE_BYTES and self.length > 2 * _EDGE_BYTES:
-            if self._edges is None:
-                tail_at = self.length - _EDGE_BYTES
-                self._edges = (self._read(0, _EDGE_BYTES), self._read(tail_at, _EDGE_BYTES))
+            # Each edge is read when first needed: a streamed file reads in order.
             if offset + n <= _EDGE_BYTES:
-                return self._edges[0][offset : offset + n]
+                if self._head is None:
+                    self._head = self._read(0, _EDGE_BYTES)
+                return self._head[offset : offset + n]
             tail_at = self.length - _EDGE_BYTES
             if offset >= tail_at:
-                return self._edges[1][offset - tail_at : offset - tail_at + n]
+                if self._tail is None:
+                    self._tail = self._read(tail_at, _EDGE_BYTES)
+                return self._tail[offset - tail_at : offset - tail_at + n]
         return self._read(offset, n)
 
     def _read(self, offset: int, n: int) -> memoryview:

@@ -16,7 +16,7 @@ import io
 import pickle
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,9 @@ class TensorRecord:
     storage_offset: int  # in elements; the stored tensor is contiguous from there
     data_offset: int  # byte offset of the storage bytes inside the item
     data_length: int  # bytes of the storage record
+    # With ``defer_tail``: whether the item's last bytes match the layout assumed
+    # (call after reading the data; False: read the item another way).
+    tail_check: Callable[[], bool] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -206,13 +209,18 @@ def _tensor_spec(pickled: bytes) -> _TensorSpec:
 _NATIVE_ORDER = sys.byteorder.encode()
 
 
-def parse_tensor_item(read_at: ReadAt, length: int) -> TensorRecord:
+def parse_tensor_item(read_at: ReadAt, length: int, defer_tail: bool = False) -> TensorRecord:
     """Locate and describe the tensor of a ``torch.save`` item of ``length`` bytes.
 
     ``read_at(offset, n)`` returns ``n`` bytes of the item starting at ``offset``
     (and raises on a short read). Raises :class:`NotFastPath` for anything unexpected.
+
+    With ``defer_tail`` (a stream that reads best in offset order), an item whose
+    first bytes match ``torch.save``'s layout is described before its last bytes (the
+    zip directory) are read: the caller reads the data, then calls
+    ``record.tail_check()``, and reads the item another way if that says False.
     """
-    record = _match_template(read_at, length)
+    record = _match_template(read_at, length, defer_tail)
     return record if record is not None else _parse_zip(read_at, length)
 
 
@@ -239,7 +247,7 @@ _HEAD_BYTES = 4096
 _PKL_PROBE_BYTES = 512
 
 
-def _match_template(read_at: ReadAt, length: int) -> TensorRecord | None:
+def _match_template(read_at: ReadAt, length: int, defer_tail: bool = False) -> TensorRecord | None:
     """The record of an item laid out exactly as ``torch.save`` lays out its ``data.pkl``
     (the common case: any bytes except the tensor data, crcs and id would differ), or
     None. Much cheaper than walking the zip directory."""
@@ -270,13 +278,17 @@ def _match_template(read_at: ReadAt, length: int) -> TensorRecord | None:
         or bytes(head[: len(template.head)]) != template.head
     ):
         return None
-    tail = bytearray(read_at(length - tail_len, tail_len))
-    tail[template.sid_at : template.sid_at + 40] = bytes(40)
-    for at in (*template.data_crc_at, *template.sid_crc_at):
-        tail[at : at + 4] = bytes(4)
-    if tail != template.tail_bytes:
-        return None
-    return _make_record(spec, len(template.head), nbytes)
+
+    def tail_matches() -> bool:
+        tail = bytearray(read_at(length - tail_len, tail_len))
+        tail[template.sid_at : template.sid_at + 40] = bytes(40)
+        for at in (*template.data_crc_at, *template.sid_crc_at):
+            tail[at : at + 4] = bytes(4)
+        return tail == template.tail_bytes
+
+    if defer_tail:
+        return replace(_make_record(spec, len(template.head), nbytes), tail_check=tail_matches)
+    return _make_record(spec, len(template.head), nbytes) if tail_matches() else None
 
 
 def _parse_zip(read_at: ReadAt, length: int) -> TensorRecord:

@@ -51,6 +51,7 @@ class MscFileSystem(FileSystemIO):
     """:class:`FileSystemIO` on ``msc://profile/path`` URLs (multi-storage-client)."""
 
     implicit_directories = True
+    sequential_reads = True
 
     def __init__(self) -> None:
         import_msc()  # fail early, with the install hint

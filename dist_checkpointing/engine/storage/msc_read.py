@@ -19,7 +19,17 @@ as few GETs as the memory bound allows:
   before its body) is one ranged GET of just those bytes; a read outside the plan
   too.
 
-Bytes go from the response into the caller's buffer once (``readinto``).
+Where the profile can presign GETs (S3 and compatible stores, see
+:mod:`.msc_stream`), a chunk is not fetched ahead as one ``bytes`` object: its GET
+is *streamed*, each read pulling the next bytes of the response straight into the
+caller's buffer (no copy, and the first tensor is filled while the rest is still
+on the wire). Reads go in offset order; a gap of up to ``_SKIP`` bytes is read
+past, and the stream's last 64 KiB are kept for a read that goes back into them
+(an item's first 4 KiB are read, then its data from inside them; its data, then
+its last 4 KiB, which overlap the data). A read further ahead or behind opens a new GET from there (small reads:
+one ranged GET of just those bytes). Readers avoid going back for an item's zip
+directory (:func:`.item_reader.parse_tensor_item` with ``defer_tail``).
+
 A GET that returns fewer bytes than asked (the object is shorter than its size)
 makes ``readinto`` return fewer bytes: the caller reports the truncated file.
 """
@@ -34,8 +44,11 @@ from typing import Any
 
 from .. import knobs
 from .msc_client import get
+from .msc_stream import Stream, open_stream
 
 _SMALL_READ = 64 << 10  # reads up to this size never release chunks (zip headers, edges)
+_SKIP = 1 << 20  # a streamed GET reads past gaps up to this size
+_RECENT = 64 << 10  # the stream's last bytes, kept for a read that goes back
 
 
 def plan_chunks(
@@ -74,6 +87,10 @@ class RangedReader(io.RawIOBase):
         self._starts: list[int] = []
         self._held: dict[int, Future[bytes]] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._stream: Stream | None = None  # the streamed GET being read
+        self._stream_chunk = -1
+        self._streaming = True  # until the profile turns out unable to presign
+        self._recent = bytearray()  # the stream's last _RECENT bytes
 
     def plan(self, spans: Sequence[tuple[int, int]]) -> None:
         """The ``(offset, length)`` ranges about to be read, in the order they will be."""
@@ -120,6 +137,7 @@ class RangedReader(io.RawIOBase):
         return bytes(buf[:done])
 
     def close(self) -> None:
+        self._end_stream()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -133,6 +151,10 @@ class RangedReader(io.RawIOBase):
         k = bisect.bisect_right(self._starts, offset) - 1
         if k < 0 or offset >= self._chunks[k][1]:
             return self._direct(offset, view)  # outside the plan
+        if self._streaming:
+            got = self._streamed(k, offset, view)
+            if got is not None:
+                return got
         small = len(view) <= _SMALL_READ
         if small and k not in self._held and self._held and k > max(self._held) + 1:
             return self._direct(offset, view)  # e.g. the tail of a large item, read first
@@ -144,6 +166,51 @@ class RangedReader(io.RawIOBase):
         got = max(0, min(len(view), len(data) - pos))  # less: the object is truncated
         view[:got] = memoryview(data)[pos : pos + got]
         return got
+
+    def _streamed(self, k: int, offset: int, view: memoryview) -> int | None:
+        """Fill ``view`` (or its first part) from the streamed GET of chunk ``k``
+        (None: this profile cannot stream; the chunk is then fetched whole)."""
+        s = self._stream
+        if s is not None and self._stream_chunk == k:
+            back = s.pos - offset
+            if 0 < back <= len(self._recent):  # bytes the stream just delivered
+                got = min(len(view), back)
+                at = len(self._recent) - back
+                view[:got] = self._recent[at : at + got]
+                return got
+            if 0 <= -back <= _SKIP:
+                if offset > s.pos:
+                    s.skip(offset - s.pos)
+                    self._recent.clear()
+                return self._pull(s, view[: max(0, min(len(view), s.end - offset))])
+            if len(view) <= _SMALL_READ:
+                return self._direct(offset, view)  # far behind or ahead: not worth a GET
+        start, end = self._chunks[k]
+        if offset - start > _SKIP:
+            start = offset
+        self._end_stream()
+        s = open_stream(self.url, start, end, whole=start == 0 and end == self.size)
+        if s is None:
+            self._streaming = False
+            return None
+        self._stream, self._stream_chunk = s, k
+        return self._streamed(k, offset, view)
+
+    def _pull(self, s: Stream, view: memoryview) -> int:
+        """Read the next bytes of ``s`` into ``view``; keep the last ones in ``_recent``."""
+        got = s.readinto(view)
+        if got >= _RECENT:
+            self._recent[:] = view[got - _RECENT : got]
+        else:
+            self._recent += view[:got]
+            del self._recent[: max(0, len(self._recent) - _RECENT)]
+        return got
+
+    def _end_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream, self._stream_chunk = None, -1
+        self._recent.clear()
 
     def _chunk(self, k: int, ahead: int) -> bytes:
         """Chunk ``k`` (fetched now if not held), after starting the next ``ahead``."""

@@ -254,12 +254,15 @@ class FileSystemReader(StorageReader):
         record = None
         if self.fast_path:
             try:
-                record = parse_tensor_item(item.read_at, item.length)
+                record = parse_tensor_item(item.read_at, item.length, self.fs.sequential_reads)
             except NotFastPath as exc:
                 logger.debug("%s: torch.load fallback (%s)", item.describe(), exc)
         if record is not None:
             _copy_region(item, record, read_item, target)
-        else:
+            if record.tail_check is not None and not record.tail_check():
+                logger.debug("%s: torch.load fallback (unexpected zip directory)", item.describe())
+                record = None
+        if record is None:
             _copy_region_torch_load(item, read_item, target)
         with lock:
             planner.commit_tensor(read_item, target)
