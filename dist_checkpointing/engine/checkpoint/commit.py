@@ -251,21 +251,26 @@ def _recover(
     ckpt: CheckpointDir, owns_file: Callable[[str], bool]
 ) -> tuple[CommitRecord | None, list[str]]:
     """:func:`recover`; also the names the directory holds afterwards."""
+    names: list[str] | None = ckpt.listdir()  # first: on object stores it answers has()
     record = read_record(ckpt)
     if record is not None and record.install:
         logger.warning("%s: finishing the interrupted commit of save %s", ckpt, record.save_id)
         _install(ckpt, record)
-    return record, cleanup(ckpt, record, owns_file)
+        names = None  # renamed: list again
+    return record, cleanup(ckpt, record, owns_file, names)
 
 
 def cleanup(
-    ckpt: CheckpointDir, record: CommitRecord | None, owns_file: Callable[[str], bool]
+    ckpt: CheckpointDir,
+    record: CommitRecord | None,
+    owns_file: Callable[[str], bool],
+    names: list[str] | None = None,
 ) -> list[str]:
     """Delete the files of ours that the committed checkpoint does not use; return the
-    names left."""
+    names left. ``names``: the directory's entries, if just listed."""
     keep = record.names() if record is not None else None
     left = []
-    for name in ckpt.listdir():
+    for name in ckpt.listdir() if names is None else names:
         leftover = name.endswith(PENDING_SUFFIX) or name.endswith(".tmp") and owns_file(name[:-4])
         if not leftover and keep is not None and owns_file(name):
             leftover = name not in keep
