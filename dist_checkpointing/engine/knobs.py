@@ -35,6 +35,11 @@ MSC_RETRY_DELAY_S              0.5        wait before the first retry (doubles e
 COPY_AHEAD_BYTES               268435456  host memory for staged copies of accelerator tensors
                                           while they are written or read (0: no bound)
 STAGING_BUFFER_BYTES           33554432   size of one buffer of the staging pool
+METADATA_PARSE_GUARD           1          parse a ``.metadata`` of 16 KiB or more in a forked,
+                                          CPU-limited child first (0: off, trusted files only)
+METADATA_PARSE_CPU_S           5.0        that child's CPU-seconds: this, plus
+METADATA_PARSE_CPU_S_PER_MIB   1.0        this per MiB of the file (four times as much when
+                                          the fast unpickler cannot be used)
 ============================== ========== ===================================================
 """
 
@@ -161,6 +166,19 @@ STAGING_BUFFER_BYTES = Knob(
     "STAGING_BUFFER_BYTES", 32 << 20, 4096, "size of one buffer of the staging pool"
 )
 
+METADATA_PARSE_GUARD = Knob(
+    "METADATA_PARSE_GUARD",
+    1,
+    0,
+    "1: parse a large .metadata in a forked child under a CPU-time limit first; 0: off",
+)
+METADATA_PARSE_CPU_S = Knob(
+    "METADATA_PARSE_CPU_S", 5.0, 1.0, "CPU-seconds a .metadata parse may take (plus per MiB)"
+)
+METADATA_PARSE_CPU_S_PER_MIB = Knob(
+    "METADATA_PARSE_CPU_S_PER_MIB", 1.0, 0.0, "CPU-seconds a .metadata parse may add per MiB"
+)
+
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
     WRITE_BUFFER_BYTES,
@@ -187,6 +205,9 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     MSC_RETRY_DELAY_S,
     COPY_AHEAD_BYTES,
     STAGING_BUFFER_BYTES,
+    METADATA_PARSE_GUARD,
+    METADATA_PARSE_CPU_S,
+    METADATA_PARSE_CPU_S_PER_MIB,
 )
 
 __all__ = [
@@ -218,4 +239,7 @@ __all__ = [
     "MSC_RETRY_DELAY_S",
     "COPY_AHEAD_BYTES",
     "STAGING_BUFFER_BYTES",
+    "METADATA_PARSE_GUARD",
+    "METADATA_PARSE_CPU_S",
+    "METADATA_PARSE_CPU_S_PER_MIB",
 ]
