@@ -16,6 +16,7 @@ that inserts every key without returning to the input stream. Keys:
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import pickletools
@@ -94,8 +95,17 @@ def reduce_op(module: str, name: str, items: list[bytes]) -> bytes:
 
 def index_op(fqn: str, offset: tuple[int, ...]) -> bytes:
     """``MetadataIndex(fqn, torch.Size(offset))`` as pickle writes it, without memo."""
-    raw = pickle.dumps(MetadataIndex(fqn, torch.Size(offset)), protocol=2)
-    return pickletools.optimize(raw)[2:-1]
+    head, tail = _index_template(fqn)
+    return head + tuple_op(offset) + tail
+
+
+@functools.cache
+def _index_template(fqn: str) -> tuple[bytes, bytes]:
+    raw = pickle.dumps(MetadataIndex(fqn, torch.Size((1, 1))), protocol=2)
+    size = b"ctorch\nSize\n"
+    head, found, tail = pickletools.optimize(raw)[2:-1].partition(size + b"K\x01K\x01\x86")
+    assert found, raw
+    return head + size, tail
 
 
 def compact_index_dict_op(fqn: str, pairs: list[tuple[int, int]]) -> bytes:

@@ -242,9 +242,9 @@ def _verdict(outcome: _Outcome, source: str, soft: int, wall_s: float, hint: str
         )
     if code == -signal.SIGXCPU or (code == -signal.SIGKILL and used >= soft):
         raise CorruptCheckpointError(
-            f"{source}: parsing it takes more than {soft} CPU-seconds (stopped in a forked "
-            f"check after {used:.1f}); the file is likely crafted, e.g. with dict keys whose "
-            f"hashes collide{hint}"
+            f"{source}: parsing it takes more than {soft} CPU-second{'s' * (soft != 1)} "
+            f"(stopped in a forked check); the file is likely crafted, e.g. with dict keys "
+            f"whose hashes collide{hint}"
         )
     if code == 0 and text.startswith("setup "):
         logger.warning("%s: parsed without a CPU-time bound (%s)", source, text[6:])
