@@ -250,3 +250,15 @@ def test_without_fork_or_resource_the_parse_is_not_bounded(
     with caplog.at_level("DEBUG", logger=cpu_bounded.__name__):
         assert not cpu_bounded.run_cpu_bounded(_spin, cpu_s=1, source="f", hint="")
     assert "f: parsed without a CPU-time bound (resource.RLIMIT_CPU" in caplog.text
+
+
+def test_an_exit_status_collected_elsewhere_leaves_the_report_to_decide() -> None:
+    """With SIGCHLD ignored the kernel reaps the child itself: a report still counts,
+    and no report (the child was stopped) is still a refusal."""
+    old = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        assert cpu_bounded.run_cpu_bounded(lambda: None, cpu_s=5, source="f", hint="")
+        with pytest.raises(CorruptCheckpointError, match="f: .*ended without reporting"):
+            cpu_bounded.run_cpu_bounded(_spin, cpu_s=0.5, source="f", hint="")
+    finally:
+        signal.signal(signal.SIGCHLD, old)

@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import logging
 import math
@@ -163,16 +165,49 @@ def _max_fd() -> int:
 
 @dataclass(frozen=True)
 class _Outcome:
-    exitcode: int  # negative: killed by that signal
+    exitcode: int | None  # negative: killed by that signal; None: reaped elsewhere
     cpu_s: float
     report: str
     timed_out: bool = False
 
 
-def _outcome(status: int, usage: resource.struct_rusage, report: bytearray, **kw: bool) -> _Outcome:
-    code = os.waitstatus_to_exitcode(status)
-    used = usage.ru_utime + usage.ru_stime
-    return _Outcome(code, used, report.decode(errors="replace"), **kw)
+class _Child:
+    """A forked child being waited for: its report so far and, once reaped, its end."""
+
+    def __init__(self, pid: int, rfd: int) -> None:
+        self.pid = pid
+        self.rfd = rfd
+        self.report = bytearray()
+        self.done: _Outcome | None = None
+
+    def read(self) -> bool:
+        """Read what the child wrote; False at end of file (it is exiting)."""
+        chunk = os.read(self.rfd, _REPORT_BYTES)
+        self.report += chunk
+        return bool(chunk)
+
+    def reap(self, *, block: bool) -> bool:
+        """Whether the child has ended (then ``done`` says how)."""
+        if self.done is not None:
+            return True
+        try:
+            pid, status, usage = os.wait4(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: SIGCHLD ignored, or handled
+            code, used = None, math.nan
+        else:
+            if pid == 0:
+                return False
+            code, used = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
+        os.set_blocking(self.rfd, False)  # what it wrote is all in the pipe now
+        with contextlib.suppress(BlockingIOError):
+            while self.read():
+                pass
+        self.done = _Outcome(code, used, self.report.decode(errors="replace"))
+        return True
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def _wait(pid: int, rfd: int, wall_s: float) -> _Outcome:
@@ -182,41 +217,30 @@ def _wait(pid: int, rfd: int, wall_s: float) -> _Outcome:
     there is one, else by polling (another process forked meanwhile may hold the
     pipe's write end open)."""
     deadline = time.monotonic() + wall_s
+    child = _Child(pid, rfd)
     pidfd = _pidfd(pid)
     poller = select.poll()
     poller.register(rfd, select.POLLIN)
     if pidfd is not None:
         poller.register(pidfd, select.POLLIN)
-    report = bytearray()
-    reaped = False
     try:
-        while True:
-            done, status, usage = os.wait4(pid, os.WNOHANG)
-            if done:
-                reaped = True
-                return _outcome(status, usage, report)
+        while not child.reap(block=False):
             left = deadline - time.monotonic()
             if left <= 0:
-                os.kill(pid, signal.SIGKILL)
-                _, status, usage = os.wait4(pid, 0)
-                reaped = True
-                return _outcome(status, usage, report, timed_out=True)
+                child.kill()
+                child.reap(block=True)
+                assert child.done is not None
+                return dataclasses.replace(child.done, timed_out=True)
             wait_s = left if pidfd is not None else min(left, _POLL_S)
             for fd, _ in poller.poll(max(1, int(wait_s * 1000))):
-                if fd != rfd:
-                    continue
-                chunk = os.read(rfd, _REPORT_BYTES)
-                if chunk:
-                    report += chunk
-                    continue
-                # End of file: the child has closed its descriptors, it is exiting.
-                _, status, usage = os.wait4(pid, 0)
-                reaped = True
-                return _outcome(status, usage, report)
+                if fd == rfd and not child.read():
+                    child.reap(block=True)
+        assert child.done is not None
+        return child.done
     finally:
-        if not reaped:  # interrupted (KeyboardInterrupt, ...): leave no child behind
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        if child.done is None:  # interrupted (KeyboardInterrupt, ...): leave no child
+            child.kill()
+            child.reap(block=True)
         if pidfd is not None:
             os.close(pidfd)
 
@@ -234,6 +258,14 @@ def _pidfd(pid: int) -> int | None:
 def _verdict(outcome: _Outcome, source: str, soft: int, wall_s: float, hint: str) -> bool:
     """True: parse it here; False: no bound was possible (logged); else raises."""
     code, used, text = outcome.exitcode, outcome.cpu_s, outcome.report
+    if code is None:  # its exit status went elsewhere: its report decides
+        if not text.startswith(("ok", "error ", "setup ")):
+            raise CorruptCheckpointError(
+                f"{source}: the forked check of its parse ended without reporting (its exit "
+                f"status went elsewhere: SIGCHLD is ignored or handled in this process); "
+                f"refusing to parse it in this process{hint}"
+            )
+        code = 0
     if outcome.timed_out:
         raise CorruptCheckpointError(
             f"{source}: parsing it did not finish within {wall_s:.0f} s of wall-clock time "
@@ -254,8 +286,8 @@ def _verdict(outcome: _Outcome, source: str, soft: int, wall_s: float, hint: str
             logger.debug("%s: the forked check's parse failed (%s)", source, text[6:])
         return True
     raise CorruptCheckpointError(
-        f"{source}: the forked check of its parse {describe_exit(code)} after {used:.1f} "
-        f"CPU-seconds; refusing to parse it in this process{hint}"
+        f"{source}: the forked check of its parse {describe_exit(code)} (after {used:.1f} "
+        f"CPU-seconds) without reporting; refusing to parse it in this process{hint}"
     )
 
 
