@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from dist_checkpointing.errors import CorruptCheckpointError
 
@@ -160,21 +161,9 @@ class _Scanner:
         self.work_limit = MAX_HASH_WORK + 8 * len(data)
         self.scale = 1  # how much a BUILD on a shared object may have grown older costs
         self.shared_builds = 0
-        self.handlers = self._handlers()
-
-    def _handlers(self) -> dict[int, Callable[[int, int, int], None]]:
-        groups: list[tuple[Callable[[int, int, int], None], Iterable[int]]] = [
-            (self._leaf, _LEAVES),
-            (self._container, b"(\x85\x86\x87tld\x91"),
-            (self._update, b"aseu\x90b"),
-            (self._call, b"R\x81\x92io"),
-            (self._memo, b"hjgqrp\x94"),
-            (self._other, b"210\x93Q\x80\x95\x98"),
-        ]
-        return {op: handler for handler, ops in groups for op in ops}
 
     def run(self) -> None:
-        data, pos, n, handlers = self.data, 0, len(self.data), self.handlers
+        data, pos, n, handlers = self.data, 0, len(self.data), _HANDLERS
         while pos < n:
             op = data[pos]
             start = pos + 1
@@ -182,7 +171,7 @@ class _Scanner:
             handler = handlers.get(op)
             if handler is None:
                 return  # STOP, or an opcode the unpickler will refuse
-            handler(op, start, pos)
+            handler(self, op, start, pos)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -413,6 +402,20 @@ class _Scanner:
             self._new(0)
         # PROTO, FRAME, READONLY_BUFFER: nothing to do
 
+
+_Handler = Callable[[_Scanner, int, int, int], None]
+_HANDLERS: dict[int, _Handler] = {
+    op: handler
+    for handler, ops in [
+        (_Scanner._leaf, _LEAVES),
+        (_Scanner._container, b"(\x85\x86\x87tld\x91"),
+        (_Scanner._update, b"aseu\x90b"),
+        (_Scanner._call, b"R\x81\x92io"),
+        (_Scanner._memo, b"hjgqrp\x94"),
+        (_Scanner._other, b"210\x93Q\x80\x95\x98"),
+    ]
+    for op in cast("Iterable[int]", ops)
+}
 
 __all__ = [
     "MAX_COLLIDABLE_KEYS",
