@@ -40,6 +40,11 @@ STAGING_BUFFER_BYTES           33554432   size of one buffer of the staging pool
 LOAD_PRELOAD                   1          small files of a load read once, by one rank, for
                                           all: 0 never, 1 object stores, 2 every backend
 LOAD_PRELOAD_BYTES             268435456  most bytes of small files that one rank preloads
+METADATA_PARSE_GUARD           1          parse a ``.metadata`` of 16 KiB or more in a forked,
+                                          CPU-limited child first (0: off, trusted files only)
+METADATA_PARSE_CPU_S           5.0        that child's CPU-seconds: this, plus
+METADATA_PARSE_CPU_S_PER_MIB   1.0        this per MiB of the file (four times as much when
+                                          the fast unpickler cannot be used)
 ============================== ========== ===================================================
 """
 
@@ -178,6 +183,19 @@ LOAD_PRELOAD_BYTES = Knob(
     "LOAD_PRELOAD_BYTES", 256 << 20, 0, "most bytes of small files one rank preloads for all"
 )
 
+METADATA_PARSE_GUARD = Knob(
+    "METADATA_PARSE_GUARD",
+    1,
+    0,
+    "1: parse a large .metadata in a forked child under a CPU-time limit first; 0: off",
+)
+METADATA_PARSE_CPU_S = Knob(
+    "METADATA_PARSE_CPU_S", 5.0, 1.0, "CPU-seconds a .metadata parse may take (plus per MiB)"
+)
+METADATA_PARSE_CPU_S_PER_MIB = Knob(
+    "METADATA_PARSE_CPU_S_PER_MIB", 1.0, 0.0, "CPU-seconds a .metadata parse may add per MiB"
+)
+
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
     WRITE_BUFFER_BYTES,
@@ -207,6 +225,9 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     STAGING_BUFFER_BYTES,
     LOAD_PRELOAD,
     LOAD_PRELOAD_BYTES,
+    METADATA_PARSE_GUARD,
+    METADATA_PARSE_CPU_S,
+    METADATA_PARSE_CPU_S_PER_MIB,
 )
 
 __all__ = [
@@ -241,4 +262,7 @@ __all__ = [
     "STAGING_BUFFER_BYTES",
     "LOAD_PRELOAD",
     "LOAD_PRELOAD_BYTES",
+    "METADATA_PARSE_GUARD",
+    "METADATA_PARSE_CPU_S",
+    "METADATA_PARSE_CPU_S_PER_MIB",
 ]

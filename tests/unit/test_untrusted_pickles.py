@@ -64,12 +64,15 @@ def test_deep_nesting_never_kills_the_interpreter(tmp_path: Path) -> None:
     """In a child process: a crash there (SIGSEGV) fails this test instead of pytest."""
     script = textwrap.dedent(
         f"""
-        import io, sys
+        import io, os, sys
         sys.path.insert(0, {str(ROOT)!r})
         from tests.unit.test_untrusted_pickles import _deep_key, _saved, _with_pickle
         from dist_checkpointing.engine.safety import load_metadata, safe_torch_load
         from dist_checkpointing.errors import CorruptCheckpointError
-        for levels in (300_000, 3_000_000):  # main-thread and big-stack paths
+        # Main-thread and big-stack paths, in this process (guard off: the larger file
+        # would otherwise be stopped by the CPU limit first) and in the forked check.
+        for levels, guard in ((300_000, "0"), (3_000_000, "0"), (300_000, "1")):
+            os.environ["DIST_CKPT_METADATA_PARSE_GUARD"] = guard
             try:
                 load_metadata(io.BytesIO(_deep_key(levels)), source="ckpt/.metadata")
             except CorruptCheckpointError as exc:

@@ -11,11 +11,14 @@ A checkpoint holds two kinds of pickles:
   unless the caller trusts the file.
 
 Before and after unpickling, bounds for files made by someone else:
-:mod:`.pickle_scan` (nesting depth and collidable dict keys of ``torch.save``
-payloads, from their opcodes), :mod:`.metadata_check` (the structure of a
-``.metadata``: field types, chunk overlap, N-D reformulation; no callable or class
-handed out as data), :mod:`.bounded` (error messages in bounded time). File names
-from a checkpoint are checked by :mod:`..storage.names`.
+:mod:`.pickle_scan` (nesting depth, collidable dict keys and the cost of hashing
+keys, from the opcodes of ``torch.save`` payloads and small ``.metadata`` files),
+:mod:`.cpu_bounded` (a ``.metadata`` of 16 KiB or more is parsed first in a forked
+child under a CPU-time limit: dict keys with colliding hashes make one opcode take
+minutes), :mod:`.metadata_check` (the structure of a ``.metadata``: field types, chunk
+overlap, N-D reformulation; no callable or class handed out as data), :mod:`.bounded`
+(error messages in bounded time). File names from a checkpoint are checked by
+:mod:`..storage.names`.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def check_payload(raw: bytes, source: str) -> None:
 
     Its records must be stored (``torch.save`` never compresses: a DEFLATE record of
     1.5 MB would inflate to gigabytes before any check) and fit in the archive, and its
-    ``data.pkl`` must pass :func:`.pickle_scan.check_pickle` (nesting, dict keys).
+    ``data.pkl`` records must pass :func:`.pickle_scan.check_pickle` (nesting, dict keys).
 
     Raises:
         CorruptCheckpointError: naming ``source`` and the record.
@@ -195,9 +195,11 @@ def check_payload(raw: bytes, source: str) -> None:
                 f"{source}: archive record {name} declares {record.file_size} bytes, more "
                 f"than the archive's {len(raw)}"
             )
-    pickled = [r for r in records if r.filename.rpartition("/")[2] == "data.pkl"]
-    for record in pickled[:1]:
-        check_pickle(archive.read(record), source)
+    # Every one: a crafted archive may list data.pkl twice, and which copy torch reads
+    # is up to its zip reader.
+    for record in records:
+        if record.filename.rpartition("/")[2] == "data.pkl":
+            check_pickle(archive.read(record), source)
 
 
 def _torch_load(stream: BinaryIO, source: str, *, weights_only: bool) -> Any:
