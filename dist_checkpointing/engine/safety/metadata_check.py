@@ -67,8 +67,19 @@ class _Checker:
         return tuple(value)
 
     def tensor(self, key: str, md: TensorStorageMetadata) -> None:
-        where = f"tensor {key[:200]!r}"
         fields = vars(md)
+        chunks = fields.get("chunks")
+        props = fields.get("properties")
+        if (  # the common case in a few operations: one chunk, the whole tensor
+            type(chunks) is list
+            and len(chunks) == 1
+            and type(chunks[0]) is ChunkStorageMetadata
+            and type(props) is TensorProperties
+            and isinstance(vars(props).get("dtype"), torch.dtype)
+            and _whole(fields.get("size"), vars(chunks[0]))
+        ):
+            return
+        where = f"tensor {key[:200]!r}"
         size = self.dims(fields.get("size"), where, "size")
         props = fields.get("properties")
         if type(props) is not TensorProperties or not isinstance(
@@ -124,19 +135,36 @@ class _Checker:
             return
         if type(storage_data) is not dict:
             raise self.fail("storage_data", f"expected a dict, found {_short(storage_data)}")
-        for index, info in storage_data.items():
-            if type(index) is not MetadataIndex or type(index.fqn) is not str:
-                raise self.fail("storage_data", f"a key is {_short(index)}")
-            where = f"storage of {index.fqn[:200]!r}"
-            if not hasattr(info, "__dict__"):
-                raise self.fail(where, f"found {_short(info)}, not a storage location")
-            fields = vars(info)
-            path, off, length = (fields.get(k) for k in ("relative_path", "offset", "length"))
-            if type(path) is not str:
-                raise self.fail(where, f"relative_path is {_short(path)}")
-            for name, value in (("offset", off), ("length", length)):
-                if type(value) is not int or value < 0:
-                    raise self.fail(where, f"{name} is {_short(value)}, not a byte count")
+        index_type, text, number = MetadataIndex, str, int
+        for index, info in storage_data.items():  # the common case, in few operations
+            fields = getattr(info, "__dict__", None)
+            if (
+                type(index) is not index_type
+                or type(index.fqn) is not text
+                or fields is None
+                or type(fields.get("relative_path")) is not text
+                or type(off := fields.get("offset")) is not number
+                or type(length := fields.get("length")) is not number
+                or off < 0
+                or length < 0
+            ):
+                self.storage_entry(index, info)
+
+    def storage_entry(self, index: object, info: object) -> None:
+        """Raise the precise error of a bad ``storage_data`` entry."""
+        if type(index) is not MetadataIndex or type(index.fqn) is not str:
+            raise self.fail("storage_data", f"a key is {_short(index)}")
+        where = f"storage of {index.fqn[:200]!r}"
+        if not hasattr(info, "__dict__"):
+            raise self.fail(where, f"found {_short(info)}, not a storage location")
+        fields = vars(info)
+        path, off, length = (fields.get(k) for k in ("relative_path", "offset", "length"))
+        if type(path) is not str:
+            raise self.fail(where, f"relative_path is {_short(path)}")
+        for name, value in (("offset", off), ("length", length)):
+            if type(value) is not int or value < 0:
+                raise self.fail(where, f"{name} is {_short(value)}, not a byte count")
+        raise self.fail(where, f"malformed entry {_short(info)}")  # pragma: no cover
 
 
 def check_metadata(metadata: Metadata, source: str) -> None:
@@ -169,6 +197,22 @@ def check_metadata(metadata: Metadata, source: str) -> None:
         orig = extra.get(ND_REFORMULATED_SHAPE_KEY)
         if orig is not None:
             check.reformulated(key, orig, entries.get(key))
+
+
+def _whole(size: object, chunk: dict[str, Any]) -> bool:
+    """Whether ``chunk`` (a chunk's fields) covers all of a tensor of ``size``, all of
+    them well-formed ``torch.Size`` (whose items are ints)."""
+    off, ext = chunk.get("offsets"), chunk.get("sizes")
+    return (
+        type(size) is torch.Size
+        and type(off) is torch.Size
+        and type(ext) is torch.Size
+        and len(size) <= MAX_DIMS
+        and ext == size
+        and len(off) == len(size)
+        and not any(off)
+        and (not size or (min(size) >= 0 and max(size) <= MAX_DIM_SIZE))
+    )
 
 
 def _grid_disjoint(boxes: list[Box]) -> bool:
