@@ -103,7 +103,7 @@ class RequestCounter:
 
         botocore.client.BaseClient._make_api_call = counting  # type: ignore[method-assign]
 
-        # Our streaming GETs go over http.client with presigned URLs, not botocore.
+        # Our data-file GETs and PUTs go over http.client with presigned URLs, not botocore.
         from dist_checkpointing.engine.storage import msc_stream
 
         send = msc_stream._send
@@ -120,6 +120,19 @@ class RequestCounter:
                     self.trace.append((began, time.perf_counter(), "GetObject (streamed)", what))
 
         msc_stream._send = counting_send
+        put = msc_stream._put
+
+        def counting_put(client: Any, path: str, url: str, data: Any) -> bool:
+            with lock:
+                counts["PutObject (presigned)"] += 1
+            began = time.perf_counter()
+            try:
+                return put(client, path, url, data)
+            finally:
+                if self.trace is not None:
+                    self.trace.append((began, time.perf_counter(), "PutObject (presigned)", path))
+
+        msc_stream._put = counting_put
 
     @contextmanager
     def phase(self, into: dict[str, collections.Counter[str]], op: str) -> Iterator[None]:

@@ -30,8 +30,9 @@ MSC_READ_CHUNK_BYTES           67108864   most bytes one GET of an msc:// data f
 MSC_READ_AHEAD                 1          GETs of one msc:// file in flight ahead of the reader
 MSC_PREFETCH_WHOLE_FILES       0          1: download whole msc:// data files, read locally
 MSC_WRITE_SPOOL_BYTES          268435456  msc:// upload kept in memory (one PUT; then on disk)
-MSC_STREAM_READS               1          stream msc:// GETs into the tensors where the profile
-                                          can presign them (0: MSC's read, whole responses)
+MSC_PRESIGNED                  1          msc:// data files: GETs streamed into the tensors and
+                                          PUTs sent from memory through presigned URLs where
+                                          the profile can presign them (0: through MSC)
 MSC_ATTEMPTS                   3          tries of an msc:// request that failed to connect
 MSC_RETRY_DELAY_S              0.5        wait before the first retry (doubles each time)
 COPY_AHEAD_BYTES               268435456  host memory for staged copies of accelerator tensors
@@ -158,8 +159,11 @@ MSC_PREFETCH_WHOLE_FILES = Knob(
 MSC_WRITE_SPOOL_BYTES = Knob(
     "MSC_WRITE_SPOOL_BYTES", 256 << 20, 0, "msc:// upload kept in memory (one PUT)"
 )
-MSC_STREAM_READS = Knob(
-    "MSC_STREAM_READS", 1, 0, "stream msc:// GETs into the tensors (0: MSC's whole reads)"
+MSC_PRESIGNED = Knob(
+    "MSC_PRESIGNED",
+    1,
+    0,
+    "msc:// data-file GETs and PUTs through presigned URLs (0: through MSC's read and write)",
 )
 MSC_ATTEMPTS = Knob("MSC_ATTEMPTS", 3, 1, "tries of an msc:// request that failed to connect")
 MSC_RETRY_DELAY_S = Knob("MSC_RETRY_DELAY_S", 0.5, 0.0, "seconds before the first msc:// retry")
@@ -218,7 +222,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     MSC_READ_AHEAD,
     MSC_PREFETCH_WHOLE_FILES,
     MSC_WRITE_SPOOL_BYTES,
-    MSC_STREAM_READS,
+    MSC_PRESIGNED,
     MSC_ATTEMPTS,
     MSC_RETRY_DELAY_S,
     COPY_AHEAD_BYTES,
@@ -255,7 +259,7 @@ __all__ = [
     "MSC_READ_AHEAD",
     "MSC_PREFETCH_WHOLE_FILES",
     "MSC_WRITE_SPOOL_BYTES",
-    "MSC_STREAM_READS",
+    "MSC_PRESIGNED",
     "MSC_ATTEMPTS",
     "MSC_RETRY_DELAY_S",
     "COPY_AHEAD_BYTES",

@@ -84,7 +84,7 @@ def _save(url: str) -> None:
 def test_each_data_file_is_one_streamed_get(msc_store: MscStore, stream: str) -> None:
     url = msc_store.url(PROFILE)
     run_distributed(_save, 2, url, timeout=120.0)
-    env = {"DIST_CKPT_MSC_STREAM_READS": stream}
+    env = {"DIST_CKPT_MSC_PRESIGNED": stream}
     results = run_distributed(_load_counting, 2, url, env, timeout=120.0)
     for rank, res in enumerate(results):
         assert res["same"], rank
@@ -155,3 +155,48 @@ def test_streamed_damage_is_reported_on_every_rank(
     assert {k for k, _ in results} <= {kind, "RankFailureError"}, results
     assert any(k == kind and words in msg and "__1_0.distcp" in msg for k, msg in results), results
     assert all(url in msg for _, msg in results), results
+
+
+def _save_counting(url: str, env: dict[str, str]) -> dict[str, Any]:
+    """Save, counting this rank's presigned PUTs and botocore PUTs of data files."""
+    import botocore.client
+
+    from dist_checkpointing.engine.storage import msc_stream
+
+    os.environ.update(env)
+    presigned: list[str] = []
+    plain: list[str] = []
+    put, call = msc_stream._put, botocore.client.BaseClient._make_api_call
+
+    def counting_put(client: Any, path: str, url: str, data: Any) -> bool:
+        presigned.append(path.rsplit("/", 1)[-1])
+        return put(client, path, url, data)
+
+    def counting_call(client: Any, operation: str, params: Any) -> Any:
+        if operation == "PutObject" and ".distcp" in str(params.get("Key")):
+            plain.append(str(params["Key"]).rsplit("/", 1)[-1])
+        return call(client, operation, params)
+
+    msc_stream._put = counting_put  # type: ignore[assignment]
+    botocore.client.BaseClient._make_api_call = counting_call  # type: ignore[method-assign]
+    try:
+        dcp.save(_state(), url)
+    finally:
+        msc_stream._put = put  # type: ignore[assignment]
+        botocore.client.BaseClient._make_api_call = call  # type: ignore[method-assign]
+    return {"presigned": presigned, "plain": plain}
+
+
+@pytest.mark.parametrize("presign", ["1", "0"])
+def test_each_data_file_is_one_presigned_put(msc_store: MscStore, presign: str) -> None:
+    url = msc_store.url(PROFILE)
+    env = {"DIST_CKPT_MSC_PRESIGNED": presign}
+    results = run_distributed(_save_counting, 2, url, env, timeout=120.0)
+    for res in results:
+        data_files = res["presigned"] if presign == "1" else res["plain"]
+        assert len(data_files) == len(set(data_files)) > 0, res
+        assert all(".distcp" in name for name in data_files), res
+        assert res["plain" if presign == "1" else "presigned"] == [], res
+    # What was uploaded is what loads, bit for bit (the reads stream too).
+    loaded = run_distributed(_load_counting, 2, url, {}, timeout=120.0)
+    assert all(r["same"] for r in loaded)

@@ -41,6 +41,7 @@ from .. import knobs
 from .base import FileSystemIO, ReadStream
 from .msc_client import INSTALL_HINT, SCHEME, call, get, import_msc
 from .msc_read import RangedReader
+from .msc_stream import put_whole
 
 # Whole files this handle wrote, kept for a rename (the commit protocol installs the
 # small files it has just written): at most this size each.
@@ -274,7 +275,8 @@ class UploadStream(io.RawIOBase):
         if self._memory is not None:
             data = self._memory.getvalue()  # no copy: the buffer is handed over
             self._memory = None
-            call(self.url, "upload", lambda c, p: c.write(p, data))
+            if not put_whole(self.url, data):
+                call(self.url, "upload", lambda c, p: c.write(p, data))
             return
         self._disk.flush()
         name = self._disk.name

@@ -8,7 +8,9 @@ stores), :func:`open_stream` instead sends the GET itself over a pooled
 ``http.client`` connection and the reader pulls the body with ``readinto`` straight
 into each tensor, as it arrives. Profiles that cannot presign (a POSIX profile)
 make :func:`open_stream` return ``None``: the reader then uses MSC's ``read``
-(:mod:`.msc_read`). ``MSC_STREAM_READS=0`` turns streaming off.
+(:mod:`.msc_read`). Uploads of data files built in memory go the same way
+(:func:`put_whole`: one presigned PUT from that memory, else MSC's ``write``).
+``MSC_PRESIGNED=0`` sends everything through MSC.
 
 A missing object is ``FileNotFoundError``. Any other failure of a streaming GET
 (an endpoint that refuses presigned requests, or cannot be reached) logs one
@@ -38,7 +40,7 @@ _IDLE_PER_HOST = 16
 
 _lock = threading.Lock()
 _idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
-_no_presign: set[str] = set()  # profiles that cannot presign
+_no_presign: set[tuple[str, str]] = set()  # (profile, method) that cannot be presigned
 _pid = os.getpid()
 
 
@@ -115,13 +117,13 @@ class Stream:
 
 def open_stream(url: str, start: int, end: int, whole: bool) -> Stream | None:
     """A streaming GET of bytes ``[start, end)`` of object ``url`` (all of it with
-    ``whole``), or None where the profile cannot presign (or ``MSC_STREAM_READS=0``).
+    ``whole``), or None where the profile cannot presign (or ``MSC_PRESIGNED=0``).
 
     Raises:
         FileNotFoundError: no such object.
         StorageAccessError: refused, or unreachable after ``MSC_ATTEMPTS`` tries.
     """
-    if not knobs.MSC_STREAM_READS.get() or _profile(url) in _no_presign:
+    if not knobs.MSC_PRESIGNED.get() or (_profile(url), "GET") in _no_presign:
         return None
     return call(
         url, "streaming read", lambda client, path: _get(client, path, url, start, end, whole)
@@ -149,21 +151,15 @@ def _send(
 
 
 def _get(client: Any, path: str, url: str, start: int, end: int, whole: bool) -> Stream | None:
-    try:
-        signed = client.generate_presigned_url(path)
-    except (NotImplementedError, AttributeError, ValueError):
-        _no_presign.add(_profile(url))
+    signed = _presign(client, path, url, "GET")
+    if signed is None:
         return None
-    parts = urllib.parse.urlsplit(signed)
-    scheme = parts.scheme
-    port = parts.port or (443 if scheme == "https" else 80)
-    key = (scheme, parts.hostname or "", port)
-    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    key, target = signed
     headers = {} if whole else {"Range": f"bytes={start}-{end - 1}"}
     try:
         response, conn = _send(key, target, headers)
     except (OSError, http.client.HTTPException) as exc:
-        _give_up(url, f"{type(exc).__name__}: {exc}")
+        _give_up(url, "GET", f"{type(exc).__name__}: {exc}")
         return None
     if response.status in (200, 206):
         return Stream(key, conn, response, 0 if whole else start)
@@ -173,17 +169,69 @@ def _get(client: Any, path: str, url: str, start: int, end: int, whole: bool) ->
         raise FileNotFoundError(errno.ENOENT, "no such object", url)
     if response.status == 416:  # the range starts past the end: an empty body
         return None
-    _give_up(url, f"HTTP {response.status} {response.reason}: {body[:200]!r}")
+    _give_up(url, "GET", f"HTTP {response.status} {response.reason}: {body[:200]!r}")
     return None
 
 
-def _give_up(url: str, why: str) -> None:
-    """The endpoint refused a presigned GET or could not be reached: this profile reads
-    through MSC from now on (which retries, and reports errors with their cause)."""
+def _presign(
+    client: Any, path: str, url: str, method: str
+) -> tuple[tuple[str, str, int], str] | None:
+    """``((scheme, host, port), request target)`` of a presigned ``method`` request for
+    ``path``, or None where the profile cannot presign it."""
+    try:
+        signed = client.generate_presigned_url(path, method=method)
+    except (NotImplementedError, AttributeError, ValueError, TypeError):
+        _no_presign.add((_profile(url), method))
+        return None
+    parts = urllib.parse.urlsplit(signed)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    return (parts.scheme, parts.hostname or "", port), target
+
+
+def put_whole(url: str, data: Any) -> bool:
+    """Upload ``data`` (bytes-like) as object ``url`` with one presigned PUT over a
+    pooled connection, straight from memory; False where the profile cannot presign
+    a PUT, the endpoint refused it, or ``MSC_PRESIGNED=0`` (the caller then
+    uploads through MSC). An upload cut short leaves no object (a PUT is atomic)."""
+    if not knobs.MSC_PRESIGNED.get() or (_profile(url), "PUT") in _no_presign:
+        return False
+    return bool(call(url, "upload", lambda client, path: _put(client, path, url, data)))
+
+
+def _put(client: Any, path: str, url: str, data: Any) -> bool:
+    signed = _presign(client, path, url, "PUT")
+    if signed is None:
+        return False
+    key, target = signed
+    body = memoryview(data).cast("B")
+    conn = _connection(*key)
+    try:
+        conn.request("PUT", target, body=body, headers={"Content-Length": str(len(body))})
+        response = conn.getresponse()
+        reply = response.read(4096)
+    except (OSError, http.client.HTTPException) as exc:
+        conn.close()
+        _give_up(url, "PUT", f"{type(exc).__name__}: {exc}")
+        return False
+    if response.status in (200, 201) and response.isclosed():
+        _give_back(key, conn)
+        return True
+    conn.close()
+    if response.status in (200, 201):
+        return True
+    _give_up(url, "PUT", f"HTTP {response.status} {response.reason}: {reply[:200]!r}")
+    return False
+
+
+def _give_up(url: str, method: str, why: str) -> None:
+    """The endpoint refused a presigned request or could not be reached: this profile
+    sends such requests through MSC from now on (which retries, and reports errors
+    with their cause)."""
     profile = _profile(url)
-    if profile not in _no_presign:
-        logger.warning("%s: streaming GET failed (%s); reading through MSC instead", url, why)
-        _no_presign.add(profile)
+    if (profile, method) not in _no_presign:
+        logger.warning("%s: presigned %s failed (%s); going through MSC instead", url, method, why)
+        _no_presign.add((profile, method))
 
 
-__all__ = ["Stream", "open_stream"]
+__all__ = ["Stream", "open_stream", "put_whole"]
