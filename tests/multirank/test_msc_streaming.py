@@ -200,3 +200,27 @@ def test_each_data_file_is_one_presigned_put(msc_store: MscStore, presign: str) 
     # What was uploaded is what loads, bit for bit (the reads stream too).
     loaded = run_distributed(_load_counting, 2, url, {}, timeout=120.0)
     assert all(r["same"] for r in loaded)
+
+
+def _async_roundtrip(url: str, persistent: bool) -> bool:
+    from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+    queue = AsyncCallsQueue(persistent=persistent)
+    request = dcp.save(_state(), url, async_sharded_save=True)
+    assert isinstance(request, AsyncRequest)
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    out = dcp.load(_state(fill=False), url)
+    assert isinstance(out, dict)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return all(torch.equal(out[f"t{n}"], _ref(n).chunk(world)[rank]) for n in range(6))
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["temporal", "persistent"])
+def test_async_save_uploads_from_the_writer_processes(
+    msc_store: MscStore, persistent: bool
+) -> None:
+    """The writer processes (forked) send presigned PUTs over connections of their own."""
+    url = msc_store.url(PROFILE)
+    assert run_distributed(_async_roundtrip, 2, url, persistent, timeout=120.0) == [True, True]
