@@ -192,3 +192,24 @@ def test_streamed_reads_far_away_open_new_gets(
     far = 30 * MIB
     assert _read(reader, far, MIB) == store.data[far : far + MIB]
     assert streams == [(0, size, True), (far, size, False)]
+
+
+def test_a_broken_stream_names_the_url() -> None:
+    from dist_checkpointing.engine.storage.msc_stream import Stream
+    from dist_checkpointing.errors import StorageAccessError
+
+    class Broken:
+        def getheader(self, name: str, default: str) -> str:
+            return "100"
+
+        def readinto(self, view: memoryview) -> int:
+            raise ConnectionResetError("reset by peer")
+
+    class Conn:
+        def close(self) -> None:
+            pass
+
+    stream = Stream("msc://p/ckpt/__0_0.distcp", ("http", "h", 80), Conn(), Broken(), 10)  # type: ignore[arg-type]
+    with pytest.raises(StorageAccessError, match=r"msc://p/ckpt/__0_0.distcp.*byte 10.*reset"):
+        stream.readinto(memoryview(bytearray(50)))
+    stream.close()

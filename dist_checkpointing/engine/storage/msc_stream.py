@@ -31,6 +31,7 @@ import threading
 import urllib.parse
 from typing import Any
 
+from ...errors import StorageAccessError
 from .. import knobs
 from .msc_client import call
 
@@ -76,8 +77,14 @@ class Stream:
     """The body of one GET of bytes ``[start, end)`` of an object, read in order."""
 
     def __init__(
-        self, key: tuple[str, str, int], conn: http.client.HTTPConnection, response: Any, start: int
+        self,
+        url: str,
+        key: tuple[str, str, int],
+        conn: http.client.HTTPConnection,
+        response: Any,
+        start: int,
     ) -> None:
+        self.url = url
         self._key = key
         self._conn: http.client.HTTPConnection | None = conn
         self._response = response
@@ -85,13 +92,23 @@ class Stream:
         self.end = start + int(response.getheader("Content-Length", "0"))
 
     def readinto(self, view: memoryview) -> int:
-        """Fill ``view`` from :attr:`pos` (fewer bytes only where the body ends)."""
+        """Fill ``view`` from :attr:`pos` (fewer bytes only where the body ends).
+
+        Raises:
+            StorageAccessError: the connection broke or timed out (names the URL).
+        """
         done = 0
-        while done < len(view):
-            n = self._response.readinto(view[done:])
-            if not n:
-                break
-            done += n
+        try:
+            while done < len(view):
+                n = self._response.readinto(view[done:])
+                if not n:
+                    break
+                done += n
+        except (OSError, http.client.HTTPException) as exc:
+            raise StorageAccessError(
+                f"{self.url}: the streamed GET broke at byte {self.pos + done} "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
         self.pos += done
         return done
 
@@ -162,7 +179,7 @@ def _get(client: Any, path: str, url: str, start: int, end: int, whole: bool) ->
         _give_up(url, "GET", f"{type(exc).__name__}: {exc}")
         return None
     if response.status in (200, 206):
-        return Stream(key, conn, response, 0 if whole else start)
+        return Stream(url, key, conn, response, 0 if whole else start)
     body = response.read(4096)
     conn.close()
     if response.status == 404:
