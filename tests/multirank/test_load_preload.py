@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.engine.checkpoint import commit
+from tests.support.faults import save_interrupted_after_record
 from tests.support.harness import run_distributed
 from tests.support.layouts import same_bits
 
@@ -181,13 +181,7 @@ def test_preload_of_a_damaged_record_fails_on_every_rank(tmp_path: Path) -> None
 def _interrupted_commit(ckpt: str) -> bool:
     _set_env(PRELOAD_EVERYWHERE)
     dcp.save(_state(1), ckpt)
-    real_install = commit._install
-    commit._install = lambda ckpt, record: (_ for _ in ()).throw(OSError("crash after record"))  # type: ignore[assignment]
-    try:
-        with pytest.raises(OSError, match="crash after record"):
-            dcp.save(_state(2), ckpt)
-    finally:
-        commit._install = real_install  # type: ignore[assignment]
+    save_interrupted_after_record(lambda: dcp.save(_state(2), ckpt))
     dist.barrier()
     return _load_matches(ckpt, 2)  # the staged files of the record, preloaded
 
