@@ -10,7 +10,8 @@ into each tensor, as it arrives. Profiles that cannot presign (a POSIX profile)
 make :func:`open_stream` return ``None``: the reader then uses MSC's ``read``
 (:mod:`.msc_read`). Uploads of data files built in memory go the same way
 (:func:`put_whole`: one presigned PUT from that memory, else MSC's ``write``).
-``MSC_PRESIGNED=0`` sends everything through MSC.
+``MSC_PRESIGNED=0`` sends everything through MSC, as do profiles with replicas, and
+PUTs of profiles with a metadata provider (MSC refuses to presign them).
 
 A missing object is ``FileNotFoundError``. Any other failure of a streaming GET
 (an endpoint that refuses presigned requests, or cannot be reached) logs one
@@ -196,6 +197,10 @@ def _presign(
     """``((scheme, host, port), request target)`` of a presigned ``method`` request for
     ``path``, or None where the profile cannot presign it."""
     try:
+        if client.replicas:  # reads and writes that MSC spreads over replicas stay MSC's
+            raise NotImplementedError("a profile with replicas")
+        # MSC resolves the object behind a metadata provider's path for a GET, and
+        # refuses to presign a PUT that would bypass it (ValueError).
         signed = client.generate_presigned_url(path, method=method)
     except (NotImplementedError, AttributeError, ValueError, TypeError):
         _no_presign.add((_profile(url), method))
