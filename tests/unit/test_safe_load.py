@@ -734,21 +734,19 @@ def test_garbage_collector_state_is_restored(initially_enabled: bool) -> None:
         gc.enable() if was else gc.disable()
 
 
-def test_fast_path_is_several_times_faster() -> None:
+def test_large_metadata_takes_the_fast_path() -> None:
+    """A plain ``.metadata`` is read by the C unpickler (the checked pure-Python one is
+    several times slower: bench/metadata_guard.py measures both); registered copyreg
+    extension codes force the checked one, with the same result."""
+    from dist_checkpointing.engine.safety.fast_unpickler import _load_fast
+
     raw = pickle.dumps(_large_metadata(2000))
-
-    def best_of_3() -> float:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            load_metadata(io.BytesIO(raw), source="x")
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    fast = best_of_3()
-    with _extension_registered("os", "getcwd", _PRIVATE_EXT_CODE):  # forces the checked path
-        checked = best_of_3()
-    assert checked > 2.5 * fast, (fast, checked)  # about 6x when measured
+    result, declined = _load_fast(raw, "x")
+    assert declined is None and isinstance(result, Metadata)
+    with _extension_registered("os", "getcwd", _PRIVATE_EXT_CODE):
+        assert _load_fast(raw, "x")[1] is not None
+        checked = load_metadata(io.BytesIO(raw), source="x")
+    assert checked.state_dict_metadata == result.state_dict_metadata
 
 
 # ----- attacks on what a pickle can reach
