@@ -47,15 +47,14 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 import torch
 import torch.distributed as dist
-from common import fmt_gbps, fmt_mib, log, measured, rank, raw_blob, raw_write, world
+from common import PeakSampler, fmt_gbps, fmt_mib, log, measured, rank, raw_blob, raw_write, world
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -123,34 +122,20 @@ def _tree_memory(proc: psutil.Process, pss: bool) -> tuple[int, int]:
     return rss, proportional
 
 
-@dataclass
-class PeakMemory:
+class PeakMemory(PeakSampler):
     """Samples this rank's (and its children's) RSS, and optionally PSS, in a thread."""
 
-    interval_s: float
-    with_pss: bool
-    rss: int = 0
-    pss: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> PeakMemory:
+    def __init__(self, interval_s: float, with_pss: bool) -> None:
         proc = psutil.Process()
-        self.rss, self.pss = _tree_memory(proc, self.with_pss)
-        if self.interval_s <= 0:  # off: the timings are then free of the sampling's cost
-            self._stop.set()
+        super().__init__(lambda: _tree_memory(proc, with_pss), interval_s)
 
-        def sample() -> None:
-            while not self._stop.wait(self.interval_s):
-                rss, pss = _tree_memory(proc, self.with_pss)
-                self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
+    @property
+    def rss(self) -> int:
+        return self.top[0]
 
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    @property
+    def pss(self) -> int:
+        return self.top[1]
 
 
 # --------------------------------------------------------------------------- helpers

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -42,21 +42,32 @@ def _tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-@dataclass
-class PeakRSS:
-    """Samples this rank's (and its children's) RSS in a background thread."""
+class PeakSampler:
+    """Samples ``measure()`` (a tuple of ints) in a background thread every ``interval_s``
+    (0: only on entry, and on exit with ``on_exit``) and keeps the largest of each value
+    (``top``); ``first`` holds the values on entry."""
 
-    interval_s: float = 0.005
-    peak: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
+    def __init__(
+        self, measure: Callable[[], tuple[int, ...]], interval_s: float, on_exit: bool = False
+    ) -> None:
+        self.measure = measure
+        self.interval_s = interval_s
+        self.on_exit = on_exit
+        self.first: tuple[int, ...] = ()
+        self.top: tuple[int, ...] = ()
+        self._stop = threading.Event()
 
-    def __enter__(self) -> PeakRSS:
-        proc = psutil.Process()
-        self.peak = _tree_rss(proc)
+    def _update(self) -> None:
+        self.top = tuple(map(max, self.top, self.measure()))
+
+    def __enter__(self) -> PeakSampler:
+        self.first = self.top = self.measure()
+        if self.interval_s <= 0:  # off: the timings are then free of the sampling's cost
+            self._stop.set()
 
         def sample() -> None:
             while not self._stop.wait(self.interval_s):
-                self.peak = max(self.peak, _tree_rss(proc))
+                self._update()
 
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
@@ -65,6 +76,20 @@ class PeakRSS:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        if self.on_exit:
+            self._update()
+
+
+class PeakRSS(PeakSampler):
+    """This rank's (and its children's) peak RSS, sampled in a background thread."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        proc = psutil.Process()
+        super().__init__(lambda: (_tree_rss(proc),), interval_s)
+
+    @property
+    def peak(self) -> int:
+        return self.top[0]
 
 
 @dataclass

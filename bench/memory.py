@@ -34,16 +34,14 @@ import contextlib
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import psutil
 import torch
 import torch.distributed as dist
 from async_save import make_state, sharded
-from common import fmt_mib, log, rank, world
+from common import PeakSampler, fmt_mib, log, rank, world
 
 import dist_checkpointing as dc
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -74,35 +72,16 @@ def tree_pss(proc: psutil.Process) -> int:
     return total
 
 
-@dataclass
-class PeakAbove:
+class PeakAbove(PeakSampler):
     """Samples the process tree's PSS in a thread; ``peak`` is above the value on entry."""
 
-    interval_s: float = 0.01
-    base: int = 0
-    top: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> PeakAbove:
+    def __init__(self, interval_s: float = 0.01) -> None:
         proc = psutil.Process()
-        self.base = self.top = tree_pss(proc)
-
-        def sample() -> None:
-            while not self._stop.wait(self.interval_s):
-                self.top = max(self.top, tree_pss(proc))
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.top = max(self.top, tree_pss(psutil.Process()))
+        super().__init__(lambda: (tree_pss(proc),), interval_s, on_exit=True)
 
     @property
     def peak(self) -> int:
-        return self.top - self.base
+        return self.top[0] - self.first[0]
 
 
 def touch(local: dict[str, torch.Tensor]) -> None:

@@ -81,58 +81,47 @@ class RequestCounter:
     def __init__(self) -> None:
         import botocore.client
 
+        from dist_checkpointing.engine.storage import msc_stream
+
         self.counts: collections.Counter[str] = collections.Counter()
         self.trace: list[tuple[float, float, str, str]] | None = None
         self.start = time.perf_counter()
-        lock = threading.Lock()
-        original = botocore.client.BaseClient._make_api_call
-        counts = self.counts
+        self._lock = threading.Lock()
 
-        def counting(client: Any, operation: str, params: Any) -> Any:
-            with lock:
-                counts[operation] += 1
+        def s3_call(client: Any, operation: str, params: Any) -> tuple[str, str]:
+            what = str(params.get("Key", params.get("Prefix", "")))
+            rng = params.get("Range")
+            return operation, what + (f" {rng}" if rng else "")
+
+        self._wrap(botocore.client.BaseClient, "_make_api_call", s3_call)
+        # Our data-file GETs and PUTs go over http.client with presigned URLs, not botocore.
+        self._wrap(
+            msc_stream,
+            "_send",
+            lambda key, target, headers: (
+                "GetObject (streamed)",
+                target.split("?", 1)[0] + " " + headers.get("Range", ""),
+            ),
+        )
+        self._wrap(msc_stream, "_put", lambda c, path, url, data: ("PutObject (presigned)", path))
+
+    def _wrap(self, owner: Any, name: str, describe: Callable[..., tuple[str, str]]) -> None:
+        """Count (and with a trace, time) every call of ``owner.name``; ``describe(*args)``
+        gives the operation and what it touched."""
+        original = getattr(owner, name)
+
+        def counting(*args: Any) -> Any:
+            operation, what = describe(*args)
+            with self._lock:
+                self.counts[operation] += 1
             began = time.perf_counter()
             try:
-                return original(client, operation, params)
+                return original(*args)
             finally:
                 if self.trace is not None:
-                    what = str(params.get("Key", params.get("Prefix", "")))
-                    rng = params.get("Range")
-                    what += f" {rng}" if rng else ""
                     self.trace.append((began, time.perf_counter(), operation, what))
 
-        botocore.client.BaseClient._make_api_call = counting  # type: ignore[method-assign]
-
-        # Our data-file GETs and PUTs go over http.client with presigned URLs, not botocore.
-        from dist_checkpointing.engine.storage import msc_stream
-
-        send = msc_stream._send
-
-        def counting_send(key: Any, target: str, headers: dict[str, str]) -> Any:
-            with lock:
-                counts["GetObject (streamed)"] += 1
-            began = time.perf_counter()
-            try:
-                return send(key, target, headers)
-            finally:
-                if self.trace is not None:
-                    what = target.split("?", 1)[0] + " " + headers.get("Range", "")
-                    self.trace.append((began, time.perf_counter(), "GetObject (streamed)", what))
-
-        msc_stream._send = counting_send
-        put = msc_stream._put
-
-        def counting_put(client: Any, path: str, url: str, data: Any) -> bool:
-            with lock:
-                counts["PutObject (presigned)"] += 1
-            began = time.perf_counter()
-            try:
-                return put(client, path, url, data)
-            finally:
-                if self.trace is not None:
-                    self.trace.append((began, time.perf_counter(), "PutObject (presigned)", path))
-
-        msc_stream._put = counting_put
+        setattr(owner, name, counting)
 
     @contextmanager
     def phase(self, into: dict[str, collections.Counter[str]], op: str) -> Iterator[None]:

@@ -8,7 +8,9 @@ through MSC there, after the one warning.)
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -43,33 +45,43 @@ def _state(fill: bool = True) -> dict[str, Any]:
     return out
 
 
-def _load_counting(url: str, env: dict[str, str]) -> dict[str, Any]:
-    """Load, counting this rank's streamed GETs and botocore GETs of data files."""
+@contextlib.contextmanager
+def _data_file_requests(ours: str, s3_operation: str) -> Iterator[tuple[list[str], list[str]]]:
+    """``(presigned, plain)``: the data files this rank sends our presigned request
+    ``msc_stream.<ours>`` for, and those it sends botocore's ``s3_operation`` for."""
     import botocore.client
 
     from dist_checkpointing.engine.storage import msc_stream
 
-    os.environ.update(env)
-    streamed: list[str] = []
+    presigned: list[str] = []
     plain: list[str] = []
-    send, call = msc_stream._send, botocore.client.BaseClient._make_api_call
+    original, call = getattr(msc_stream, ours), botocore.client.BaseClient._make_api_call
 
-    def counting_send(key: Any, target: str, headers: dict[str, str]) -> Any:
-        streamed.append(target.split("?", 1)[0].rsplit("/", 1)[-1])
-        return send(key, target, headers)
+    def counting(*args: Any) -> Any:
+        # _send(key, target, headers) / _put(client, path, url, data)
+        where = args[1].split("?", 1)[0]
+        presigned.append(where.rsplit("/", 1)[-1])
+        return original(*args)
 
     def counting_call(client: Any, operation: str, params: Any) -> Any:
-        if operation == "GetObject" and ".distcp" in str(params.get("Key")):
+        if operation == s3_operation and ".distcp" in str(params.get("Key")):
             plain.append(str(params["Key"]).rsplit("/", 1)[-1])
         return call(client, operation, params)
 
-    msc_stream._send = counting_send  # type: ignore[assignment]
+    setattr(msc_stream, ours, counting)
     botocore.client.BaseClient._make_api_call = counting_call  # type: ignore[method-assign]
     try:
-        out = dcp.load(_state(fill=False), url)
+        yield presigned, plain
     finally:
-        msc_stream._send = send  # type: ignore[assignment]
+        setattr(msc_stream, ours, original)
         botocore.client.BaseClient._make_api_call = call  # type: ignore[method-assign]
+
+
+def _load_counting(url: str, env: dict[str, str]) -> dict[str, Any]:
+    """Load, counting this rank's streamed GETs and botocore GETs of data files."""
+    os.environ.update(env)
+    with _data_file_requests("_send", "GetObject") as (streamed, plain):
+        out = dcp.load(_state(fill=False), url)
     assert isinstance(out, dict)
     rank, world = dist.get_rank(), dist.get_world_size()
     same = all(torch.equal(out[f"t{n}"], _ref(n).chunk(world)[rank]) for n in range(6))
@@ -159,31 +171,9 @@ def test_streamed_damage_is_reported_on_every_rank(
 
 def _save_counting(url: str, env: dict[str, str]) -> dict[str, Any]:
     """Save, counting this rank's presigned PUTs and botocore PUTs of data files."""
-    import botocore.client
-
-    from dist_checkpointing.engine.storage import msc_stream
-
     os.environ.update(env)
-    presigned: list[str] = []
-    plain: list[str] = []
-    put, call = msc_stream._put, botocore.client.BaseClient._make_api_call
-
-    def counting_put(client: Any, path: str, url: str, data: Any) -> bool:
-        presigned.append(path.rsplit("/", 1)[-1])
-        return put(client, path, url, data)
-
-    def counting_call(client: Any, operation: str, params: Any) -> Any:
-        if operation == "PutObject" and ".distcp" in str(params.get("Key")):
-            plain.append(str(params["Key"]).rsplit("/", 1)[-1])
-        return call(client, operation, params)
-
-    msc_stream._put = counting_put  # type: ignore[assignment]
-    botocore.client.BaseClient._make_api_call = counting_call  # type: ignore[method-assign]
-    try:
+    with _data_file_requests("_put", "PutObject") as (presigned, plain):
         dcp.save(_state(), url)
-    finally:
-        msc_stream._put = put  # type: ignore[assignment]
-        botocore.client.BaseClient._make_api_call = call  # type: ignore[method-assign]
     return {"presigned": presigned, "plain": plain}
 
 

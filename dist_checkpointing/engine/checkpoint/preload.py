@@ -29,10 +29,9 @@ object stores, 2 every backend, e.g. a shared file system at thousands of ranks)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from .. import knobs
 from ..collectives import RankGroup
@@ -108,9 +107,8 @@ def _get_all(ckpt: CheckpointDir, names: Sequence[str]) -> dict[str, bytes | Non
         except FileNotFoundError:
             return None
 
-    fetch: Callable[[str], Any] = one
     with ThreadPoolExecutor(min(len(names), _MAX_THREADS), "dist-ckpt-preload") as pool:
-        return dict(zip(names, pool.map(fetch, names), strict=True))
+        return dict(zip(names, pool.map(one, names), strict=True))
 
 
 __all__ = ["Preloaded", "preload_small_files", "wanted"]

@@ -236,14 +236,14 @@ def _put(client: Any, path: str, url: str, data: Any) -> bool:
         conn.close()
         _give_up(url, "PUT", f"{type(exc).__name__}: {exc}")
         return False
-    if response.status in (200, 201) and response.isclosed():
+    ok = response.status in (200, 201)
+    if ok and response.isclosed():
         _give_back(key, conn)
-        return True
-    conn.close()
-    if response.status in (200, 201):
-        return True
-    _give_up(url, "PUT", f"HTTP {response.status} {response.reason}: {reply[:200]!r}")
-    return False
+    else:
+        conn.close()
+    if not ok:
+        _give_up(url, "PUT", f"HTTP {response.status} {response.reason}: {reply[:200]!r}")
+    return ok
 
 
 def _give_up(url: str, method: str, why: str) -> None:
