@@ -65,7 +65,6 @@ from .validation import (
     CkptShardedMetadata,
     StrictHandling,
     gather_shard_records,
-    local_metadata_of,
     local_shard_records,
     parse_strict_flag,
     validate_integrity_and_strict_load,
@@ -322,7 +321,7 @@ def _check_request(
     ckpt_metadata = None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_metadata = load_sharded_metadata(ckpt, *strategies)
-    local_metadata: list[Any] = local_metadata_of(request)
+    local_metadata: list[Any] | None = None  # built by the strict check if it needs it
     global_metadata: list[list[Any]] | None = None
     # Only the *_ALL strict modes need every rank's records; the sharding check alone
     # sends each record to the owner of its key (engine/sharding_split).
@@ -381,6 +380,7 @@ def _open_for_load(
     )
 
 
+@_gc_paused_call
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str | os.PathLike[str],

@@ -179,7 +179,50 @@ def _flat_blocks(key: str, shards: list[tuple[int, ShardRecord]]) -> tuple[list[
     return blocks, problems
 
 
+def _tiles_exactly(shards: list[tuple[int, ShardRecord]]) -> bool:
+    """A cheap sufficient test for the common layouts: every shard agrees on shape and
+    dtype, none is flat, and the main replicas tile the tensor along at most one axis
+    (one whole block, or row/column blocks end to end). False means "look closer"."""
+    first = shards[0][1]
+    shape, dtype = first.global_shape, first.dtype
+    main: list[ShardRecord] = []
+    for _, sh in shards:
+        if sh.global_shape != shape or sh.dtype != dtype or sh.flat is not None:
+            return False
+        if sh.is_main:
+            main.append(sh)
+    if len(main) == 1:
+        return main[0].chunk_shape == shape and not any(main[0].global_offset)
+    if not main or not shape:
+        return False
+    axis = -1
+    for i, (c, g) in enumerate(zip(main[0].chunk_shape, shape)):
+        if c != g:
+            if axis >= 0:
+                return False
+            axis = i
+    if axis < 0 or len(main[0].chunk_shape) != len(shape):
+        return False
+    pos = 0
+    for sh in sorted(main, key=lambda r: r.global_offset[axis]):
+        offset, chunk = sh.global_offset, sh.chunk_shape
+        if len(offset) != len(shape) or len(chunk) != len(shape) or offset[axis] != pos:
+            return False
+        for i, g in enumerate(shape):
+            if i != axis and (offset[i] != 0 or chunk[i] != g):
+                return False
+        pos += chunk[axis]
+    return pos == shape[axis]
+
+
 def _tensor_key_problems(key: str, shards: list[tuple[int, ShardRecord]]) -> list[str]:
+    if _tiles_exactly(shards):
+        return []
+    return _tensor_key_problems_full(key, shards)
+
+
+def _tensor_key_problems_full(key: str, shards: list[tuple[int, ShardRecord]]) -> list[str]:
+    """Every problem of one tensor key (the general check, for any layout)."""
     shapes = {(sh.global_shape, sh.dtype) for _, sh in shards}
     if len(shapes) > 1:
         by_rank = sorted({(r, sh.global_shape, sh.dtype) for r, sh in shards})
@@ -246,9 +289,12 @@ def keyed_problems(global_metadata: GlobalMetadata) -> list[KeyProblems]:
     objects: dict[str, list[tuple[int, ShardRecord]]] = defaultdict(list)
     for rank, rank_metadata in enumerate(global_metadata):
         for sh in rank_metadata:
-            if not isinstance(sh, (ShardedTensor, ShardedObject, ShardRecord)):
+            if type(sh) is ShardRecord:
+                rec = sh
+            elif isinstance(sh, (ShardedTensor, ShardedObject, ShardRecord)):
+                rec = shard_record(sh)
+            else:
                 continue
-            rec = shard_record(sh)
             (tensors if rec.is_tensor else objects)[rec.key].append((rank, rec))
     out: list[KeyProblems] = [
         (_SECTION_MIXED, key, [f"'{key}': used both as a ShardedTensor and as a ShardedObject"])

@@ -22,6 +22,11 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from dist_checkpointing.engine.sharding_check import (
+    _tensor_key_problems_full,
+    _tiles_exactly,
+    shard_record,
+)
 from dist_checkpointing.errors import ShardingError
 from dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from dist_checkpointing.validation import sharding_integrity_problems, validate_sharding_integrity
@@ -412,3 +417,63 @@ def test_object_grids(layout: Layout, data: st.DataObject) -> None:
     _check(layout, True)
     _, (shards, expect_valid) = _perturb(data.draw, layout, ["drop", "duplicate"])
     _check(Layout(layout.world_size, shards), expect_valid)
+
+
+def _fast_path_verdict(layout: Layout) -> bool:
+    """Whether the check's fast path alone accepts the layout's single key."""
+    records = [(rank, shard_record(sh)) for rank, sh in layout.shards]
+    return _tiles_exactly(records)
+
+
+@PROPERTY_SETTINGS
+@given(layout=tensor_layouts(flat=False), data=st.data(), count=st.integers(0, 2))
+def test_fast_path_accepts_only_exact_covers(
+    layout: Layout, data: st.DataObject, count: int
+) -> None:
+    # The fast path may decline any layout (the full check then runs), but whatever it
+    # accepts must be an exact cover by the oracle and by the full check.
+    for _ in range(count):
+        if not layout.shards:
+            break
+        _, (shards, _) = _perturb(data.draw, layout, list(PERTURBATIONS))
+        layout = Layout(layout.world_size, shards)
+    if not layout.shards:
+        return
+    fast = _fast_path_verdict(layout)
+    event("fast path taken" if fast else "full check")
+    if fast:
+        assert oracle_is_valid(layout)
+        records = [(rank, shard_record(sh)) for rank, sh in layout.shards]
+        assert _tensor_key_problems_full("t", records) == []
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_fast_path_taken_for_one_axis_tilings(parts: int, axis: int) -> None:
+    global_shape = [6, 24] if axis == 0 else [24, 6]
+    global_shape[axis] = 24
+    size = 24 // parts
+    shards: Shards = []
+    for rank in range(parts):
+        local = list(global_shape)
+        local[axis] = size
+        tensor = torch.empty(local)
+        shards.append(
+            (rank, ShardedTensor.from_rank_offsets("t", tensor, (axis, rank, parts)).without_data())
+        )
+        # A data-parallel copy on another rank is not a main replica.
+        shards.append(
+            (
+                rank + parts,
+                ShardedTensor.from_rank_offsets(
+                    "t", tensor, (axis, rank, parts), replica_id=1
+                ).without_data(),
+            )
+        )
+    layout = Layout(2 * parts, shards)
+    assert _fast_path_verdict(layout)
+    assert oracle_is_valid(layout)
+    # A missing row block is declined by the fast path and reported by the full check.
+    gap = Layout(2 * parts, [s for s in shards if s[0] != 0])
+    assert not _fast_path_verdict(gap)
+    assert sharding_integrity_problems(gap.metadata())
