@@ -29,8 +29,9 @@ Steps (``*``: the coordinator; ``owner``: the busiest key owner):
   data and the data files' checksums from the compact results), pickles it;
 - ``cached metadata*``: the same save with an unchanged structure and unchanged
   write results: the coordinator unpickles every rank's item checksums
-  (``data_files_from_records``) and pickles the previous save's metadata again (only
-  ``storage_meta`` changes);
+  (``data_files_from_records``) and writes the previous save's metadata object again
+  with a new ``storage_meta`` (``metadata_bytes``: the first pickle of that object,
+  made in ``metadata*``, is reused with the new directory and save id spliced in);
 - ``unpickle (load)``: what every rank of a load spends reading ``.metadata``
   (``load_metadata``, the restricted unpickler);
 - ``= first save*`` and ``= cached save*``: the coordinator's CPU time of a save,
@@ -52,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from dist_checkpointing.engine.safety.metadata import load_metadata
 from dist_checkpointing.engine.sharding_check import ShardRecord, sharding_integrity_problems
@@ -62,6 +64,7 @@ from dist_checkpointing.engine.sharding_split import (
     structure_digest,
 )
 from dist_checkpointing.engine.storage.checksums import ItemChecksum
+from dist_checkpointing.engine.storage.metadata_blob import metadata_bytes
 from dist_checkpointing.engine.storage.write_results import data_files_from_records
 from dist_checkpointing.mapping import ShardedTensor
 from dist_checkpointing.strategies.state_dict_saver import (
@@ -292,12 +295,16 @@ def run_validation(
 
 
 class PickleWriter:
-    """The coordinator's writer, minus the file: ``finish_assembled`` pickles."""
+    """The coordinator's writer, minus the file: ``finish_assembled`` sets a new
+    ``storage_meta`` and pickles (``metadata_bytes``, as the writer does)."""
 
     blob = b""
+    saves = 0
 
     def finish_assembled(self, metadata: Any, data_files: Any) -> None:
-        self.blob = pickle.dumps(metadata, protocol=4)
+        self.saves += 1
+        metadata.storage_meta = StorageMeta(f"/ckpt/iter_{self.saves:07d}", os.urandom(16).hex())
+        self.blob = metadata_bytes(metadata)
 
 
 def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> dict[str, float]:
@@ -311,21 +318,25 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
         )
         locations.append(pickle.dumps(_item_locations(results), protocol=4))
 
+    writer = PickleWriter()
+    built: list[Any] = []
+
     def assemble() -> bytes:
         gathered = [pickle.loads(p) for p in payloads]
         metadata = MCoreSavePlanner.metadata_from_records([v[1] for _, v in gathered])
-        writer = PickleWriter()
         _finish(writer, metadata, [v[0] for _, v in gathered])  # type: ignore[arg-type]
+        built[:] = [metadata]  # the coordinator keeps it for the next save
         return writer.blob
 
     seconds, peak, blob = measure(assemble, memory)
     row(world, f"metadata* ({len(blob) >> 10} KiB)", seconds, peak)
     times = {"metadata": seconds}
-    cached = load_metadata(io.BytesIO(blob))
+    cached = built[0]
 
     def reuse() -> bytes:
-        data_files_from_records(loc for p in locations for loc in pickle.loads(p))
-        return pickle.dumps(cached, protocol=4)
+        data_files = data_files_from_records(loc for p in locations for loc in pickle.loads(p))
+        writer.finish_assembled(cached, data_files)
+        return writer.blob
 
     seconds, peak, _ = measure(reuse, memory)
     row(world, "cached metadata*", seconds, peak)

@@ -21,7 +21,6 @@ import functools
 import logging
 import multiprocessing
 import os
-import pickle
 import queue
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +38,7 @@ from ..engine.storage.base import FileSystemIO
 from ..engine.storage.bucketing import build_buckets, data_file_prefix
 from ..engine.storage.checksums import DataFileEntry
 from ..engine.storage.location import CheckpointDir
+from ..engine.storage.metadata_blob import metadata_bytes
 from ..engine.storage.resolve import is_url
 from ..engine.storage.write_results import data_file_checksums, storage_data_from_results
 from ..engine.storage.write_workers import (
@@ -265,7 +265,7 @@ class FileSystemWriterAsync(StorageWriter):
         if context.on_data_files is not None:
             context.on_data_files(data_files)
         try:
-            data = pickle.dumps(metadata, protocol=4)
+            data = metadata_bytes(metadata)  # fast when only storage_meta changed
             # Staged under a save-specific name while the commit protocol runs.
             self.location.atomic_write(METADATA_FILE_NAME, data, sync=self.sync_files)
         except OSError as exc:

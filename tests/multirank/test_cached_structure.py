@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from typing import Any
 
 import torch
@@ -85,9 +84,11 @@ def test_unchanged_structure_rewrites_the_metadata_a_full_assembly_writes(
         # changed: one rank's structure differs.
         assert rewritten == [False, True, None, False, False]
         assert loaded == {"same": True, "object": True, "changed": True}
-    raw_same, same = _metadata(str(tmp_path / "same"))
-    raw_full, full = _metadata(str(tmp_path / "full"))
-    assert pickle.dumps(full, protocol=4) == raw_full  # a parsed file pickles to its bytes
+    _, same = _metadata(str(tmp_path / "same"))
+    _, full = _metadata(str(tmp_path / "full"))
     assert same.storage_meta != full.storage_meta  # its own path and save id
+    assert same.storage_meta.checkpoint_id == str(tmp_path / "same")
     same.storage_meta = full.storage_meta
-    assert pickle.dumps(same, protocol=4) == raw_full
+    # The rewrite splices the new path and save id into the first pickle of the same
+    # object (engine/storage/metadata_blob): equal objects, frames may split elsewhere.
+    assert same == full

@@ -86,3 +86,105 @@ def test_whole_blocks_are_checksummed_when_added() -> None:
     verifier.add(96, memoryview(data)[96:])  # the short last block, whole
     assert 6 in verifier.covered
     verifier.finish(lambda offset, n: memoryview(data)[offset : offset + n])
+
+
+# ------------------------------------------------- large reads, hashed on a helper thread
+
+
+def _read_item_into_tensor(path: str, data: bytes, block: int, checksum: ItemChecksum) -> bytes:
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from dist_checkpointing.engine.storage.byte_ranges import DataFile, ItemBytes
+
+    index = MetadataIndex("layer.weight")
+    read_item = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=index,
+        dest_offsets=torch.Size([0]),
+        storage_index=index,
+        storage_offsets=torch.Size([0]),
+        lengths=torch.Size([len(data)]),
+    )
+    target = torch.zeros(len(data), dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as stream:
+        file = DataFile(stream, path, len(data), (0, 0, 1))  # no window: read in place
+        item = ItemBytes(file, 0, len(data), read_item)
+        item.verifier = BlockVerifier(checksum, block)
+        item.read_into_tensor(0, target)
+        item.verify()
+    return target.numpy().tobytes()
+
+
+@pytest.mark.parametrize("thread", ["1", "0"])
+@settings(max_examples=25, deadline=None)
+@given(blocks=st.integers(1, 9), tail=st.integers(0, 4095), damage=st.data())
+def test_large_reads_verify_every_block_with_and_without_the_hashing_thread(
+    thread: str,
+    blocks: int,
+    tail: int,
+    damage: st.DataObject,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from dist_checkpointing.errors import ChecksumMismatchError
+
+    block = 4096
+    data = os.urandom(blocks * block + tail)
+    checksum = _item_checksum(data, block)
+    path = str(tmp_path_factory.mktemp("item") / "__0_0.distcp")
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIST_CKPT_CHECKSUM_THREAD", thread)
+        assert _read_item_into_tensor(path, data, block, checksum) == data
+        at = damage.draw(st.integers(0, len(data) - 1))
+        damaged = bytearray(data)
+        damaged[at] ^= 0x01
+        with open(path, "wb") as f:
+            f.write(damaged)
+        with pytest.raises(ChecksumMismatchError) as err:
+            _read_item_into_tensor(path, data, block, checksum)
+    assert f"at byte {at // block * block}" in str(err.value)
+    assert "'layer.weight'" in str(err.value) and path in str(err.value)
+
+
+def test_the_hashing_thread_works_in_a_forked_child() -> None:
+    import multiprocessing
+
+    from dist_checkpointing.engine.storage.checksums import crc, hashing_thread
+
+    pool = hashing_thread()
+    assert pool is not None and pool.submit(crc, b"abc").result(timeout=5) == crc(b"abc")
+
+    def child(conn: multiprocessing.connection.Connection) -> None:
+        worker = hashing_thread()  # the parent's thread does not exist here
+        assert worker is not pool
+        conn.send(worker.submit(crc, b"abc").result(timeout=5) if worker else None)
+
+    parent_end, child_end = multiprocessing.get_context("fork").Pipe()
+    proc = multiprocessing.get_context("fork").Process(target=child, args=(child_end,))
+    proc.start()
+    assert parent_end.poll(20), "the forked child's hashing thread never ran"
+    assert parent_end.recv() == crc(b"abc")
+    proc.join(10)
+    assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 200])
+def test_check_whole_finds_any_damaged_byte(length: int) -> None:
+    block = 64
+    data = os.urandom(length)
+    verifier = BlockVerifier(_item_checksum(data, block), block)
+    verifier.check_whole(memoryview(data))
+    for at in range(length):
+        damaged = bytearray(data)
+        damaged[at] ^= 0x80
+        with pytest.raises(ChecksumMismatch) as err:
+            verifier.check_whole(memoryview(damaged))
+        assert err.value.offset == at // block * block
+    if length:  # a shorter or longer item does not pass either
+        with pytest.raises(ChecksumMismatch):
+            verifier.check_whole(memoryview(data[:-1]))
+    with pytest.raises(ChecksumMismatch):
+        verifier.check_whole(memoryview(data + b"x"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import ChecksumMismatchError, CorruptCheckpointError
 from .base import ReadStream
-from .checksums import BlockVerifier, ChecksumMismatch
+from .checksums import BlockVerifier, ChecksumMismatch, crc, hashing_thread
 
 # --------------------------------------------------------------------------- file access
 
@@ -172,17 +173,29 @@ class ItemBytes:
             view = t.reshape(-1).view(torch.uint8).numpy().data
             self.file.readinto(self.offset + offset, view, self.read_item)
         else:
-            # Checked against the bytes as they landed in the tensor, before it is used:
-            # read a checksum block at a time, so each is checksummed while in the cache.
-            view = t.reshape(-1).view(torch.uint8).numpy().data
-            size = self.verifier.block_bytes
-            pos = 0
-            while pos < n:
-                step = min(size - (offset + pos) % size, n - pos)
-                piece = view[pos : pos + step]
-                self.file.readinto(self.offset + offset + pos, piece, self.read_item)
+            self._read_verified(offset, t.reshape(-1).view(torch.uint8).numpy().data)
+
+    def _read_verified(self, offset: int, view: memoryview) -> None:
+        """Read ``view`` from item offset ``offset`` a checksum block at a time. Each block
+        is checksummed as it lands (while in the cache), on the hashing thread when there
+        is more than one, so that the next block is read meanwhile; the blocks are
+        checked against the record (:meth:`verify`) before the tensor is used."""
+        assert self.verifier is not None
+        size, n = self.verifier.block_bytes, len(view)
+        hasher = hashing_thread() if n > size else None
+        pending: list[tuple[int, memoryview, Future[int]]] = []
+        pos = 0
+        while pos < n:
+            step = min(size - (offset + pos) % size, n - pos)
+            piece = view[pos : pos + step]
+            self.file.readinto(self.offset + offset + pos, piece, self.read_item)
+            if hasher is None:
                 self.verifier.add(offset + pos, piece)
-                pos += step
+            else:
+                pending.append((offset + pos, piece, hasher.submit(crc, piece)))
+            pos += step
+        for at, piece, value in pending:
+            self.verifier.add(at, piece, value.result())
 
     def describe(self) -> str:
         return (

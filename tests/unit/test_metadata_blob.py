@@ -1,0 +1,122 @@
+"""``.metadata`` bytes reused across saves (engine/storage/metadata_blob).
+
+The spliced pickle must unpickle to exactly what ``pickle.dumps`` of the same object
+gives, for any path and save id; a template must never be reused once the object's
+other fields changed; anything unusual falls back to the plain pickle.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from dist_checkpointing._torch_compat import StorageInfo
+from dist_checkpointing.engine.safety.metadata import load_metadata
+from dist_checkpointing.engine.storage import metadata_blob
+from dist_checkpointing.engine.storage.metadata_blob import metadata_bytes
+
+
+def _metadata(entries: int) -> Metadata:
+    sd_meta = {}
+    storage = {}
+    for i in range(entries):
+        key = f"decoder.layers.{i}.weight"
+        chunk = ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 8]))
+        sd_meta[key] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size([4, 8]), [chunk]
+        )
+        storage[MetadataIndex(key, torch.Size([0, 0]))] = StorageInfo(
+            f"__0_{i % 2}.distcp", 128 * i, 128
+        )
+    return Metadata(sd_meta, planner_data={"k": ("a", "b")}, storage_data=storage)
+
+
+def _same_objects(blob: bytes, metadata: Metadata) -> bool:
+    return pickle.loads(blob) == pickle.loads(pickle.dumps(metadata, protocol=4))
+
+
+TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=0, max_size=400)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    entries=st.sampled_from([1, 40, 1500]),
+    paths=st.lists(st.tuples(TEXT, TEXT), min_size=1, max_size=4),
+)
+def test_spliced_pickle_unpickles_to_the_plain_pickle(
+    entries: int, paths: list[tuple[str, str]]
+) -> None:
+    metadata = _metadata(entries)  # 1500 entries: several protocol-4 frames
+    for checkpoint_id, save_id in paths:
+        metadata.storage_meta = StorageMeta(checkpoint_id, save_id)
+        assert _same_objects(metadata_bytes(metadata), metadata)
+
+
+def test_second_pickle_reuses_the_template_and_loads_safely(tmp_path: Path) -> None:
+    metadata = _metadata(2000)
+    metadata.storage_meta = StorageMeta(str(tmp_path / "iter_1"), "a" * 32)
+    first = metadata_bytes(metadata)
+    template = metadata_blob._templates[id(metadata)]
+    metadata.storage_meta = StorageMeta(str(tmp_path / "iter_0000002"), "b" * 32)
+    second = metadata_bytes(metadata)
+    assert metadata_blob._templates[id(metadata)] is template  # no new pickle made
+    assert len(second) - len(first) == len("iter_0000002") - len("iter_1")
+    parsed = load_metadata(io.BytesIO(second))  # our restricted loader accepts it
+    assert parsed == pickle.loads(pickle.dumps(metadata, protocol=4))
+    assert parsed.storage_meta.save_id == "b" * 32
+
+
+@pytest.mark.parametrize("change", ["storage_data", "state_dict_metadata", "version", "modules"])
+def test_a_changed_field_is_never_served_from_the_template(change: str) -> None:
+    metadata = _metadata(50)
+    metadata.storage_meta = StorageMeta("/ckpt/a", "1" * 32)
+    metadata_bytes(metadata)
+    if change == "storage_data":
+        metadata.storage_data = {
+            k: StorageInfo("__9_9.distcp", v.offset, v.length)
+            for k, v in metadata.storage_data.items()
+        }
+    elif change == "state_dict_metadata":
+        metadata.state_dict_metadata = dict(list(metadata.state_dict_metadata.items())[:3])
+    elif change == "version":
+        metadata.version = "9.9.9"
+    else:
+        metadata.storage_meta = StorageMeta("/ckpt/b", "2" * 32, modules=["x"])
+    if change != "modules":
+        metadata.storage_meta = StorageMeta("/ckpt/b", "2" * 32)
+    assert _same_objects(metadata_bytes(metadata), metadata)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [None, StorageMeta(Path("/ckpt/p"), "x"), StorageMeta("/ckpt/p", None)],
+    ids=["no storage_meta", "path object", "no save id"],
+)
+def test_unusual_storage_meta_falls_back_to_the_plain_pickle(meta: StorageMeta | None) -> None:
+    metadata = _metadata(10)
+    metadata.storage_meta = meta
+    assert metadata_bytes(metadata) == pickle.dumps(metadata, protocol=4)
+
+
+def test_templates_do_not_keep_metadata_alive() -> None:
+    for i in range(3 * metadata_blob._MAX_TEMPLATES):
+        metadata = _metadata(5)
+        metadata.storage_meta = StorageMeta(f"/ckpt/{i}", "s")
+        metadata_bytes(metadata)
+    assert len(metadata_blob._templates) <= metadata_blob._MAX_TEMPLATES
+    alive = [t for t in metadata_blob._templates.values() if t.owner() is not None]
+    assert len(alive) <= 1
