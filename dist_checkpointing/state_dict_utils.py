@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from .dict_utils import dict_list_map_inplace, extract_matching_values
+from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from .engine.collectives import ProcessGroup, RankGroup
 from .engine.sharding_split import ValidatedStructure, validate_sharding_split
 from .mapping import (
     CommonStateDict,
+    LocalNonpersistentObject,
     ShardedStateDict,
     ShardedTensor,
     ShardedTensorFactory,
@@ -42,6 +44,31 @@ def filter_out_empty_flatten_tensor(sharded_state_dict: ShardedStateDict) -> Sha
     return kept  # type: ignore[return-value]
 
 
+@dataclass
+class _LeafKinds:
+    """Which optional steps a state dict needs (one pass over its leaves)."""
+
+    factories: bool = False
+    nonpersistent: bool = False
+    empty_flat: bool = False
+
+
+def _leaf_kinds(state_dict: ShardedStateDict) -> _LeafKinds:
+    if not isinstance(state_dict, (dict, list)):  # the full path reports the error
+        return _LeafKinds(True, True, True)
+    kinds = _LeafKinds()
+    for v in nested_values(state_dict):
+        if isinstance(v, ShardedTensor):
+            fr = v.flattened_range
+            if fr is not None and fr.stop <= fr.start:
+                kinds.empty_flat = True
+        elif isinstance(v, ShardedTensorFactory):
+            kinds.factories = True
+        elif isinstance(v, LocalNonpersistentObject):
+            kinds.nonpersistent = True
+    return kinds
+
+
 def save_preprocess(
     sharded_state_dict: ShardedStateDict,
     validate_access_integrity: bool = True,
@@ -62,10 +89,17 @@ def save_preprocess(
     Returns:
         ``(sharded_part, common_part)``.
     """
-    apply_factories(sharded_state_dict)
-    _, persistent = extract_nonpersistent(sharded_state_dict)
+    # Each step is a pass that copies the containers: one cheap pass first finds which
+    # are needed (a factory may build anything, so with one every step runs).
+    kinds = _leaf_kinds(sharded_state_dict)
+    persistent = sharded_state_dict
+    if kinds.factories:
+        apply_factories(sharded_state_dict)
+    if kinds.factories or kinds.nonpersistent:
+        _, persistent = extract_nonpersistent(sharded_state_dict)
     sharded_part, common_part = extract_sharded_base(persistent)
-    sharded_part = filter_out_empty_flatten_tensor(sharded_part)
+    if kinds.factories or kinds.empty_flat:
+        sharded_part = filter_out_empty_flatten_tensor(sharded_part)
     if validate_access_integrity:
         records = local_shard_records(sharded_part)
         validate_sharding_split(records, RankGroup(process_group), validated_structure)
@@ -86,6 +120,11 @@ def load_preprocess(
         ShardedBase leaves to read (factories applied), the unwrapped
         LocalNonpersistentObjects, and the factories (for ``apply_factory_merges``).
     """
+    kinds = _leaf_kinds(sharded_state_dict)
+    if not kinds.factories and not kinds.nonpersistent:  # the common case: one pass
+        request, _ = extract_sharded_base(sharded_state_dict)
+        empty: Any = {} if isinstance(sharded_state_dict, dict) else []
+        return request, empty, {}  # what the steps below return for such a request
     nonpersistent, request = extract_nonpersistent(sharded_state_dict)
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
     # Lists become dicts keyed by index, so a list that mixes factories and other
