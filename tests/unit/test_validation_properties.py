@@ -343,6 +343,16 @@ def _perturb(draw: st.DrawFn, layout: Layout, names: list[str]) -> tuple[str, Pe
     return name, result
 
 
+def _perturbed(data: st.DataObject, layout: Layout, count: int) -> Layout:
+    """``layout`` after up to ``count`` random perturbations."""
+    for _ in range(count):
+        if not layout.shards:
+            break
+        _, (shards, _) = _perturb(data.draw, layout, list(PERTURBATIONS))
+        layout = Layout(layout.world_size, shards)
+    return layout
+
+
 # ------------------------------------------------------------------ properties
 
 
@@ -386,12 +396,7 @@ def test_oracle_agrees_on_combined_perturbations(
 ) -> None:
     # Combined perturbations may cancel out (drop a piece, then duplicate its twin): only
     # agreement with the oracle is required.
-    for _ in range(count):
-        if not layout.shards:
-            break
-        _, (shards, _) = _perturb(data.draw, layout, list(PERTURBATIONS))
-        layout = Layout(layout.world_size, shards)
-    _check(layout, None)
+    _check(_perturbed(data, layout, count), None)
 
 
 @PROPERTY_SETTINGS
@@ -432,11 +437,7 @@ def test_fast_path_accepts_only_exact_covers(
 ) -> None:
     # The fast path may decline any layout (the full check then runs), but whatever it
     # accepts must be an exact cover by the oracle and by the full check.
-    for _ in range(count):
-        if not layout.shards:
-            break
-        _, (shards, _) = _perturb(data.draw, layout, list(PERTURBATIONS))
-        layout = Layout(layout.world_size, shards)
+    layout = _perturbed(data, layout, count)
     if not layout.shards:
         return
     fast = _fast_path_verdict(layout)
