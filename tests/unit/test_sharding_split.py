@@ -92,3 +92,29 @@ def test_digest_follows_records_rank_and_world() -> None:
     assert base != structure_digest([rec], 1, 2)
     assert base != structure_digest([rec], 0, 4)
     assert 0 <= base < 2**63
+
+
+def test_one_process_group_uses_the_validated_structure() -> None:
+    import pytest
+
+    from dist_checkpointing.engine.collectives import RankGroup
+    from dist_checkpointing.engine.sharding_split import (
+        ValidatedStructure,
+        validate_sharding_split,
+    )
+    from dist_checkpointing.errors import ShardingError
+
+    group = RankGroup(None)
+    assert not group.distributed  # no process group in this process
+    good = [ShardRecord("w", True, "torch.float32", (4,), (0,), (4,), None, True)]
+    bad = [good[0]._replace(chunk_shape=(2,))]  # half of "w" is not covered
+    cache = ValidatedStructure()
+    validate_sharding_split(good, group, cache)
+    assert cache.digest == structure_digest(good, 0, 1)
+    with pytest.raises(ShardingError, match="'w'"):
+        validate_sharding_split(bad, group, cache)  # changed records: checked again
+    assert cache.digest == structure_digest(good, 0, 1)  # a failed check records nothing
+    cache.digest = structure_digest(bad, 0, 1)  # a cache claiming these were validated
+    validate_sharding_split(bad, group, cache)  # is believed: skipped
+    with pytest.raises(ShardingError, match="'w'"):
+        validate_sharding_split(bad, group, None)  # no cache: always checked
