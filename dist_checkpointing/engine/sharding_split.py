@@ -114,6 +114,7 @@ def validate_sharding_split(
     With ``validated``: skipped after one all-reduce when no rank's records changed
     since the last save every rank validated; updated after a passing check.
     """
+    digest: int | None = None
     if not group.distributed:  # one rank: the same cache, no vote
         digest = None if validated is None else structure_digest(records, 0, 1)
         if validated is not None and validated.digest == digest:
@@ -122,7 +123,6 @@ def validate_sharding_split(
         if validated is not None:
             validated.digest = digest
         return
-    digest: int | None = None
     outgoing: list[list[WireRecord]] | None = None
     error: BaseException | None = None
     try:
