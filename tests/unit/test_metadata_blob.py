@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import pickle
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,11 +114,22 @@ def test_unusual_storage_meta_falls_back_to_the_plain_pickle(meta: StorageMeta |
     assert metadata_bytes(metadata) == pickle.dumps(metadata, protocol=4)
 
 
-def test_templates_do_not_keep_metadata_alive() -> None:
+def test_templates_go_with_their_metadata() -> None:
     for i in range(3 * metadata_blob._MAX_TEMPLATES):
         metadata = _metadata(5)
         metadata.storage_meta = StorageMeta(f"/ckpt/{i}", "s")
         metadata_bytes(metadata)
+        assert id(metadata) in metadata_blob._templates
     assert len(metadata_blob._templates) <= metadata_blob._MAX_TEMPLATES
-    alive = [t for t in metadata_blob._templates.values() if t.owner() is not None]
-    assert len(alive) <= 1
+    key = id(metadata)
+    del metadata  # the last one: its template (as large as the file) is dropped with it
+    assert key not in metadata_blob._templates
+    kept = [_metadata(5) for _ in range(metadata_blob._MAX_TEMPLATES + 2)]
+    first: weakref.ref[Any] | None = None
+    for i, metadata in enumerate(kept):
+        metadata.storage_meta = StorageMeta(f"/ckpt/{i}", "s")
+        metadata_bytes(metadata)
+        if first is None:
+            first = weakref.ref(metadata_blob._templates[id(metadata)])
+    assert len(metadata_blob._templates) == metadata_blob._MAX_TEMPLATES  # bounded
+    assert first is not None and first() is None  # evicted and freed: no finalizer holds it

@@ -170,12 +170,20 @@ def metadata_bytes(metadata: Metadata) -> bytes:
     if template is None:
         return pickle.dumps(metadata, protocol=PROTOCOL)
     with _lock:
-        for key in [k for k, t in _templates.items() if t.owner() is None]:
-            del _templates[key]
         while len(_templates) >= _MAX_TEMPLATES:
             del _templates[next(iter(_templates))]
         _templates[id(metadata)] = template
+    # The template (as large as the file) goes when its metadata object goes.
+    # (The finalizer holds the template weakly: one evicted by the bound is freed at once.)
+    weakref.finalize(metadata, _forget, id(metadata), weakref.ref(template))
     return template.fill(values)
+
+
+def _forget(key: int, template: weakref.ref[_Template]) -> None:
+    with _lock:
+        current = _templates.get(key)
+        if current is not None and current is template():
+            del _templates[key]
 
 
 __all__ = ["PROTOCOL", "metadata_bytes"]
