@@ -16,31 +16,29 @@ load: :mod:`dist_checkpointing.engine.raw.load`.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
 from .._torch_compat import DATA_FILE_SUFFIX
-from ..dict_utils import dict_list_map_outplace, nested_values
+from ..dict_utils import nested_values
 from ..engine import knobs
 from ..engine.async_save.request import AsyncRequest
 from ..engine.checkpoint import commit
-from ..engine.collectives import RankGroup, raise_on_all_ranks
+from ..engine.collectives import RankGroup
 from ..engine.raw import load as raw_load
 from ..engine.raw.index import DATA_SUFFIX, INDEX_NAME, KIND_OBJECT, is_raw_bytes_file
 from ..engine.raw.save import save_request
 from ..engine.safety import object_loader
 from ..engine.storage.location import CheckpointDir
-from ..mapping import ShardedBase, ShardedStateDict, StateDict
+from ..mapping import ShardedBase, ShardedStateDict
 from .base import (
     AsyncSaveShardedStrategy,
-    LoadShardedStrategy,
     StrategyAction,
-    check_compatibility,
     register_default_strategy,
 )
+from .collective_load import CollectiveLoadStrategy
 
 BACKEND = "raw_bytes"
 VERSION = 1
@@ -136,7 +134,7 @@ class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
         return save_request(leaves, ckpt, group, self.thread_count, in_process)
 
 
-class RawBytesLoadShardedStrategy(LoadShardedStrategy):
+class RawBytesLoadShardedStrategy(CollectiveLoadStrategy):
     """Loads a ``raw_bytes`` checkpoint into any layout (resharding on load).
 
     Args:
@@ -147,48 +145,18 @@ class RawBytesLoadShardedStrategy(LoadShardedStrategy):
     """
 
     metadata_files = (INDEX_NAME,)
+    backend = BACKEND
+    version = VERSION
 
-    def __init__(
-        self,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        trusted: bool = False,
-        allowed_types: Sequence[type] = (),
-    ) -> None:
-        self.process_group = process_group
-        self.trusted = trusted
-        self.allowed_types = tuple(allowed_types)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        check_compatibility(self, "sharded backend", loaded_backend, BACKEND)
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        check_compatibility(self, "sharded backend version", loaded_version, VERSION)
-
-    def load(
+    def fill(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
-    ) -> StateDict:
-        """Fill every ShardedTensor/ShardedObject of the request (every rank; a failure
-        on one raises on all). Tensors without data are allocated on the CPU."""
+    ) -> None:
+        """Read every ShardedTensor/ShardedObject of the request from the index's
+        entries (tensors without data are allocated on the CPU)."""
         ckpt = CheckpointDir.of(checkpoint_dir)
-        error: BaseException | None = None
-        try:
-            leaves = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedBase)]
-            load_object = object_loader(
-                ckpt, trusted=self.trusted, allowed_types=self.allowed_types
-            )
-            raw_load.load_leaves(leaves, ckpt, load_object)
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            error = e
-        raise_on_all_ranks(error, self.process_group, what=f"Loading {ckpt}")
-        loaded: StateDict = dict_list_map_outplace(
-            lambda x: x.data if isinstance(x, ShardedBase) else x, sharded_state_dict
-        )
-        return loaded
+        leaves = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedBase)]
+        load_object = object_loader(ckpt, trusted=self.trusted, allowed_types=self.allowed_types)
+        raw_load.load_leaves(leaves, ckpt, load_object)
 
     def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> ShardedStateDict:
         """Data-less ShardedTensors (global shape and dtype) by key; tensors stored as

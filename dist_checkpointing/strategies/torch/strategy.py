@@ -24,11 +24,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..._torch_compat import DATA_FILE_SUFFIX
-from ...dict_utils import dict_list_map_outplace
 from ...engine import knobs
 from ...engine.async_save.request import AsyncRequest
 from ...engine.checkpoint import commit
-from ...engine.collectives import raise_on_all_ranks
 from ...engine.raw.index import is_raw_bytes_file
 from ...engine.safety import object_loader
 from ...engine.sharding_split import ValidatedStructure
@@ -36,14 +34,13 @@ from ...engine.storage.bucketing import is_data_file_of
 from ...engine.storage.location import CheckpointDir
 from ...engine.storage.reader import FileSystemReader
 from ...errors import UnsafeCheckpointError
-from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from ..base import (
     AsyncSaveShardedStrategy,
-    LoadShardedStrategy,
     StrategyAction,
-    check_compatibility,
     register_default_strategy,
 )
+from ..collective_load import CollectiveLoadStrategy
 from ..filesystem_async import FileSystemWriterAsync
 from ..state_dict_saver import (
     CachedStructure,
@@ -229,7 +226,7 @@ def _prepare_destination(sh: ShardedTensor) -> None:
         sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
 
 
-class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
     """Loads ShardedTensors and ShardedObjects from a PyTorch DCP checkpoint.
 
     Args:
@@ -245,6 +242,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """
 
     metadata_files = (METADATA_FNAME,)
+    backend = BACKEND
+    version = VERSION
 
     def __init__(
         self,
@@ -256,48 +255,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         trusted: bool = False,
         allowed_types: Sequence[type] = (),
     ) -> None:
+        super().__init__(process_group=process_group, trusted=trusted, allowed_types=allowed_types)
         self.cache_metadata = cache_metadata
         self.stream_ckpt_dequant = stream_ckpt_dequant
         self.checkpoint_name = checkpoint_name
-        self.process_group = process_group
-        self.trusted = trusted
-        self.allowed_types = tuple(allowed_types)
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        check_compatibility(self, "sharded backend", loaded_backend, BACKEND)
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        check_compatibility(self, "sharded backend version", loaded_version, VERSION)
-
-    def load(
+    def fill(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]
-    ) -> StateDict:
-        """Fill every ShardedTensor/ShardedObject of the request (collective).
-
-        ShardedTensors without data are allocated on the CPU. Returns the state
-        dict with each leaf replaced by its loaded tensor or object.
-        """
-        error: BaseException | None = None
-        try:
-            by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
-            # Before dropping empty flat ranges: they too come back as (empty) tensors.
-            for shards in by_key.values():
-                for sh in shards:
-                    if isinstance(sh, ShardedTensor):
-                        _prepare_destination(sh)
-            by_key = _drop_empty_flat(by_key)
-            self._read(by_key, checkpoint_dir)
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            error = e
-        raise_on_all_ranks(error, self.process_group, what=f"Loading {checkpoint_dir}")
-        loaded: StateDict = dict_list_map_outplace(
-            lambda x: x.data if isinstance(x, ShardedBase) else x, sharded_state_dict
-        )
-        return loaded
+    ) -> None:
+        """Read every ShardedTensor/ShardedObject of the request through DCP (tensors
+        without data are allocated on the CPU)."""
+        by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+        # Before dropping empty flat ranges: they too come back as (empty) tensors.
+        for shards in by_key.values():
+            for sh in shards:
+                if isinstance(sh, ShardedTensor):
+                    _prepare_destination(sh)
+        self._read(_drop_empty_flat(by_key), checkpoint_dir)
 
     def _read(
         self, by_key: dict[str, list[ShardedBase]], checkpoint_dir: str | os.PathLike[str]
