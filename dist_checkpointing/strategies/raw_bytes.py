@@ -135,14 +135,8 @@ class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
 
 
 class RawBytesLoadShardedStrategy(CollectiveLoadStrategy):
-    """Loads a ``raw_bytes`` checkpoint into any layout (resharding on load).
-
-    Args:
-        process_group: the ranks that load together (errors are raised on all).
-        trusted: load ShardedObject payloads with plain pickle (only for
-            checkpoints you wrote).
-        allowed_types: extra classes ShardedObject payloads may contain.
-    """
+    """Loads a ``raw_bytes`` checkpoint into any layout (resharding on load); the
+    arguments are those of :class:`~.collective_load.CollectiveLoadStrategy`."""
 
     metadata_files = (INDEX_NAME,)
     backend = BACKEND
