@@ -125,7 +125,11 @@ def _flip(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_flipped_bit_names_key_file_and_offset(saved: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("thread", ["1", "0"], ids=["hashing-thread", "inline"])
+def test_flipped_bit_names_key_file_and_offset(
+    saved: Path, tmp_path: Path, thread: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DIST_CKPT_CHECKSUM_THREAD", thread)
     ckpt = _copy(saved, tmp_path / "c")
     index = read_index(CheckpointDir.of(ckpt))
     row = index.rows_by_key["model.b"][0]
@@ -270,9 +274,14 @@ def test_integrity_manifest_covers_raw_files(tmp_path: Path) -> None:
     assert dc.load(_one_rank_state(0.0), tmp_path, verify_integrity=True)["o"] == {"scale": 1.0}
 
 
-def test_large_items_are_written_and_verified_in_pieces(tmp_path: Path) -> None:
+@pytest.mark.parametrize("thread", ["1", "0"], ids=["hashing-thread", "inline"])
+def test_large_items_are_written_and_verified_in_pieces(
+    tmp_path: Path, thread: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Items above the piece sizes (8 MiB written, 16 MiB read) between small ones in one
-    file: byte-exact, and a flipped bit deep inside names the offset of its block."""
+    file: byte-exact, and a flipped bit deep inside names the offset of its block; with
+    damage in several items, the first one in the file is named."""
+    monkeypatch.setenv("DIST_CKPT_CHECKSUM_THREAD", thread)
     big = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB
     small = torch.arange(3, dtype=torch.float32)
     sd = {
@@ -298,3 +307,14 @@ def test_large_items_are_written_and_verified_in_pieces(tmp_path: Path) -> None:
     with pytest.raises(ChecksumMismatchError) as info:
         dc.load(request, tmp_path)
     assert info.value.key == "big" and info.value.offset == start + (17 << 20)
+
+    def offset(key: str) -> int:
+        return int(index.columns["offset"][index.rows_by_key[key][0]])
+
+    damaged = ["big"]
+    for key in ("z", "a"):  # the small items, read in batches around the large one
+        _flip(tmp_path / "__0_0.dcpraw", offset(key) + 1)
+        damaged.append(key)
+        with pytest.raises(ChecksumMismatchError) as info:
+            dc.load(request, tmp_path)
+        assert info.value.key == min(damaged, key=offset)

@@ -20,6 +20,7 @@ from dist_checkpointing.engine.storage.checksums import (
     ChecksumMismatch,
     ChecksumStream,
     ItemChecksum,
+    block_crcs,
 )
 
 
@@ -45,24 +46,30 @@ def reads(draw: st.DrawFn) -> tuple[bytes, int, list[tuple[int, int]]]:
     return data, block, draw(st.permutations(chosen))
 
 
-def _verify(stored: bytes, seen: bytes, block: int, pieces: list[tuple[int, int]]) -> None:
+def _verify(
+    stored: bytes, seen: bytes, block: int, pieces: list[tuple[int, int]], precomputed: bool
+) -> None:
     verifier = BlockVerifier(_item_checksum(stored, block), block)
     for offset, n in pieces:
-        verifier.add(offset, bytearray(seen[offset : offset + n]))
+        piece = bytearray(seen[offset : offset + n])
+        # As the hashing thread hands them over: the block CRCs of the piece as read.
+        verifier.add(offset, piece, block_crcs(piece, block) if precomputed else None)
     verifier.finish(lambda offset, n: memoryview(bytearray(seen[offset : offset + n])))
 
 
 @settings(max_examples=300, deadline=None)
-@given(reads())
-def test_intact_bytes_pass_for_any_split(case: tuple[bytes, int, list[tuple[int, int]]]) -> None:
+@given(reads(), st.booleans())
+def test_intact_bytes_pass_for_any_split(
+    case: tuple[bytes, int, list[tuple[int, int]]], precomputed: bool
+) -> None:
     data, block, pieces = case
-    _verify(data, data, block, pieces)
+    _verify(data, data, block, pieces, precomputed)
 
 
 @settings(max_examples=300, deadline=None)
-@given(reads(), st.data())
+@given(reads(), st.data(), st.booleans())
 def test_a_damaged_byte_in_a_touched_block_is_found(
-    case: tuple[bytes, int, list[tuple[int, int]]], draw: st.DataObject
+    case: tuple[bytes, int, list[tuple[int, int]]], draw: st.DataObject, precomputed: bool
 ) -> None:
     data, block, pieces = case
     touched = sorted(
@@ -73,7 +80,7 @@ def test_a_damaged_byte_in_a_touched_block_is_found(
     damaged = bytearray(data)
     damaged[at] ^= 1 << draw.draw(st.integers(0, 7))
     with pytest.raises(ChecksumMismatch) as info:
-        _verify(data, bytes(damaged), block, pieces)
+        _verify(data, bytes(damaged), block, pieces, precomputed)
     assert info.value.offset == b * block
 
 
@@ -91,7 +98,9 @@ def test_whole_blocks_are_checksummed_when_added() -> None:
 # ------------------------------------------------- large reads, hashed on a helper thread
 
 
-def _read_item_into_tensor(path: str, data: bytes, block: int, checksum: ItemChecksum) -> bytes:
+def _read_item_into_tensor(
+    path: str, data: bytes, block: int, checksum: ItemChecksum, start: int = 0
+) -> bytes:
     import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -107,44 +116,54 @@ def _read_item_into_tensor(path: str, data: bytes, block: int, checksum: ItemChe
         storage_offsets=torch.Size([0]),
         lengths=torch.Size([len(data)]),
     )
-    target = torch.zeros(len(data), dtype=torch.uint8)
+    target = torch.zeros(len(data) - start, dtype=torch.uint8)  # a partial read from start
     with open(path, "rb", buffering=0) as stream:
         file = DataFile(stream, path, len(data), (0, 0, 1))  # no window: read in place
         item = ItemBytes(file, 0, len(data), read_item)
         item.verifier = BlockVerifier(checksum, block)
-        item.read_into_tensor(0, target)
+        item.read_into_tensor(start, target)
         item.verify()
     return target.numpy().tobytes()
 
 
 @pytest.mark.parametrize("thread", ["1", "0"])
 @settings(max_examples=25, deadline=None)
-@given(blocks=st.integers(1, 9), tail=st.integers(0, 4095), damage=st.data())
+@given(
+    blocks=st.integers(1, 19),
+    tail=st.integers(0, 4095),
+    start=st.integers(0, 9000),
+    damage=st.data(),
+)
 def test_large_reads_verify_every_block_with_and_without_the_hashing_thread(
     thread: str,
     blocks: int,
     tail: int,
+    start: int,
     damage: st.DataObject,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    """A read of the item from ``start`` (a partial, resharded read when not 0) into a
+    tensor: intact bytes arrive whole; a damaged byte in any block the read touched is
+    reported with its block's offset."""
     from dist_checkpointing.errors import ChecksumMismatchError
 
     block = 4096
     data = os.urandom(blocks * block + tail)
+    start = min(start, len(data) - 1)
     checksum = _item_checksum(data, block)
     path = str(tmp_path_factory.mktemp("item") / "__0_0.distcp")
     with open(path, "wb") as f:
         f.write(data)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DIST_CKPT_CHECKSUM_THREAD", thread)
-        assert _read_item_into_tensor(path, data, block, checksum) == data
-        at = damage.draw(st.integers(0, len(data) - 1))
+        assert _read_item_into_tensor(path, data, block, checksum, start) == data[start:]
+        at = damage.draw(st.integers(start // block * block, len(data) - 1))
         damaged = bytearray(data)
         damaged[at] ^= 0x01
         with open(path, "wb") as f:
             f.write(damaged)
         with pytest.raises(ChecksumMismatchError) as err:
-            _read_item_into_tensor(path, data, block, checksum)
+            _read_item_into_tensor(path, data, block, checksum, start)
     assert f"at byte {at // block * block}" in str(err.value)
     assert "'layer.weight'" in str(err.value) and path in str(err.value)
 

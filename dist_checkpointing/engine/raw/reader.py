@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ChecksumMismatchError, CorruptCheckpointError
 from .. import knobs
 from ..storage.base import ReadStream
-from ..storage.checksums import block_crcs, crc
+from ..storage.checksums import block_crcs, crc, hashing_thread
 from ..storage.location import CheckpointDir
 from .index import RawIndex
 from .writer import vectored_all
@@ -67,6 +68,17 @@ def _at(r: Read) -> int:
     return r.at
 
 
+def _done(fn: Any, *args: Any) -> Future[None]:
+    """``fn(*args)`` run now, as a finished Future (its exception kept for ``result``)."""
+    future: Future[None] = Future()
+    try:
+        fn(*args)
+        future.set_result(None)
+    except Exception as e:  # noqa: BLE001 - raised by result(), in file order
+        future.set_exception(e)
+    return future
+
+
 class RawReader:
     """Executes the reads of one load against the data files of ``index``."""
 
@@ -107,12 +119,23 @@ class RawReader:
                         f"{r.at}, length {r.length}) ends at byte {end}, but the "
                         f"file has {size} bytes"
                     )
-            self._fetch(stream, path, reads)
-        if self.verify:
-            for r in reads:
-                self._check(r, path)
+            checks = self._fetch(stream, path, reads)
+        for check in checks:  # in file order: the first damaged item is the one named
+            check.result()
 
-    def _fetch(self, stream: ReadStream, path: str, reads: list[Read]) -> None:
+    def _fetch(self, stream: ReadStream, path: str, reads: list[Read]) -> list[Future[None]]:
+        """Read ``reads`` (sorted by offset); returns the checks of what was read, each
+        started as soon as its bytes landed (on the hashing thread, while the next
+        bytes are read, or inline: see :func:`~..storage.checksums.hashing_thread`)."""
+        checks: list[Future[None]] = []
+        if not self.verify:
+            verify: Any = None
+        else:
+            hasher = hashing_thread()
+
+            def verify(fn: Any, *args: Any) -> None:
+                checks.append(hasher.submit(fn, *args) if hasher else _done(fn, *args))
+
         fd: int | None = None
         if hasattr(os, "preadv"):
             try:
@@ -126,48 +149,66 @@ class RawReader:
         if fd is None:
             for r in reads:
                 _read_stream(stream, r.dest, r.at, describe)
-            return
+            if verify:
+                verify(self._check_all, reads, path)
+            return checks
         batch: list[Any] = []
+        landed: list[Read] = []
         start = pos = 0
+
+        def flush() -> None:
+            _read_all(fd, batch, start, describe)
+            if verify:
+                verify(self._check_all, list(landed), path)
+            batch.clear()
+            landed.clear()
+
         for r in reads:
             at = r.at
-            if self.verify and r.length > _LARGE:  # verified block by block as it lands
+            if verify and r.length > _LARGE:  # verified piece by piece as it lands
                 if batch:
-                    _read_all(fd, batch, start, describe)
-                    batch = []
-                self._read_large(fd, r, path, describe)
+                    flush()
+                self._read_large(fd, r, path, describe, verify)
                 continue
             if batch and (at < pos or at - pos > self.max_gap or len(batch) >= _IOV_MAX - 1):
-                _read_all(fd, batch, start, describe)
-                batch = []
+                flush()
             if not batch:
                 start = pos = at
             if at > pos:
                 batch.append(bytearray(at - pos))
             if r.length:
                 batch.append(r.dest)
+            landed.append(r)
             pos = at + r.length
         if batch:
-            _read_all(fd, batch, start, describe)
+            flush()
+        return checks
 
-    def _read_large(self, fd: int, r: Read, path: str, describe: Any) -> None:
-        """Read a large item a few checksum blocks at a time, verifying each piece while
-        its bytes are still in the CPU cache (no second pass over memory)."""
+    def _read_large(self, fd: int, r: Read, path: str, describe: Any, verify: Any) -> None:
+        """Read a large item a few checksum blocks at a time; each piece is checked as
+        soon as it lands (while its bytes are still in the CPU cache)."""
         bb = self.index.block_bytes
         view = memoryview(r.dest).cast("B")
         piece = max(bb, _LARGE // 2 // bb * bb)
-        first = self._crc_start[r.row] + r.entry_offset // bb
         for start in range(0, r.length, piece):
             part = view[start : start + piece]
             _read_all(fd, [part], r.at + start, describe)
-            found = block_crcs(part, bb)
-            at = first + start // bb
-            expected = self._crcs[at : at + len(found)]
-            if found != expected:
-                bad = next(i for i, v in enumerate(found) if i >= len(expected) or v != expected[i])
-                exp = expected[bad] if bad < len(expected) else -1
-                self._mismatch(r, path, start // bb + bad, found[bad], exp)
+            verify(self._check_piece, r, start, part, path)
         r.verified = True
+
+    def _check_piece(self, r: Read, start: int, part: memoryview, path: str) -> None:
+        bb = self.index.block_bytes
+        found = block_crcs(part, bb)
+        at = self._crc_start[r.row] + (r.entry_offset + start) // bb
+        expected = self._crcs[at : at + len(found)]
+        if found != expected:
+            bad = next(i for i, v in enumerate(found) if i >= len(expected) or v != expected[i])
+            exp = expected[bad] if bad < len(expected) else -1
+            self._mismatch(r, path, start // bb + bad, found[bad], exp)
+
+    def _check_all(self, reads: list[Read], path: str) -> None:
+        for r in reads:
+            self._check(r, path)
 
     def _check(self, r: Read, path: str) -> None:
         if r.verified:

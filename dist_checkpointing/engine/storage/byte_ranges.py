@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import ChecksumMismatchError, CorruptCheckpointError
 from .base import ReadStream
-from .checksums import BlockVerifier, ChecksumMismatch, crc, hashing_thread
+from .checksums import BlockVerifier, ChecksumMismatch, block_crcs, hashing_thread
 
 # --------------------------------------------------------------------------- file access
 
@@ -90,6 +90,9 @@ class DataFile:
             done += n
 
 
+# Checksum blocks read per piece when the hashing thread checksums them.
+_BLOCKS_PER_PIECE = 8
+
 # Bytes read at once from each end of a large item: its zip headers and directory.
 _EDGE_BYTES = 4096
 
@@ -109,12 +112,19 @@ class ItemBytes:
         self._head: memoryview | None = None  # the first and last _EDGE_BYTES
         self._tail: memoryview | None = None
         self.verifier: BlockVerifier | None = None
+        # Pieces whose block CRCs the hashing thread is computing (see _read_verified).
+        self._hashing: list[tuple[int, memoryview, Future[list[int]]]] = []
 
     def verify(self) -> None:
-        """Check every checksum block of the item that was read (see :mod:`.checksums`)."""
+        """Check every checksum block of the item that was read (see :mod:`.checksums`).
+        A reader may call it after reading the next item: the CRCs of this item's last
+        pieces are then computed while that read runs."""
         if self.verifier is None:
             return
         try:
+            for at, piece, values in self._hashing:
+                self.verifier.add(at, piece, values.result())
+            self._hashing.clear()
             if self.view is not None:  # the whole item is in memory: check it all
                 self.verifier.check_whole(self.view)
             else:
@@ -178,24 +188,25 @@ class ItemBytes:
     def _read_verified(self, offset: int, view: memoryview) -> None:
         """Read ``view`` from item offset ``offset`` a checksum block at a time. Each block
         is checksummed as it lands (while in the cache), on the hashing thread when there
-        is more than one, so that the next block is read meanwhile; the blocks are
-        checked against the record (:meth:`verify`) before the tensor is used."""
+        is more than one, so that the next blocks are read meanwhile; the blocks are
+        checked against the record by :meth:`verify`, before the load returns."""
         assert self.verifier is not None
         size, n = self.verifier.block_bytes, len(view)
         hasher = hashing_thread() if n > size else None
-        pending: list[tuple[int, memoryview, Future[int]]] = []
+        # With the hashing thread, read several blocks per piece (fewer hand-offs).
+        span = size * (_BLOCKS_PER_PIECE if hasher else 1)
+        pending = self._hashing
         pos = 0
         while pos < n:
-            step = min(size - (offset + pos) % size, n - pos)
+            at = offset + pos
+            step = min(size - at % size if at % size else span, n - pos)
             piece = view[pos : pos + step]
-            self.file.readinto(self.offset + offset + pos, piece, self.read_item)
+            self.file.readinto(self.offset + at, piece, self.read_item)
             if hasher is None:
-                self.verifier.add(offset + pos, piece)
+                self.verifier.add(at, piece)
             else:
-                pending.append((offset + pos, piece, hasher.submit(crc, piece)))
+                pending.append((at, piece, hasher.submit(block_crcs, piece, size)))
             pos += step
-        for at, piece, value in pending:
-            self.verifier.add(at, piece, value.result())
 
     def describe(self) -> str:
         return (

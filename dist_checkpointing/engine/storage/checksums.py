@@ -204,16 +204,20 @@ class BlockVerifier:
     # bytes were still in the CPU's cache: a reader adds a large read block by block).
     covered: dict[int, int] = field(default_factory=dict)
 
-    def add(self, offset: int, data: Any, value: int | None = None) -> None:
-        """Record ``data`` read at item offset ``offset``; ``value``: its CRC32C, if
-        already computed (used when ``data`` is exactly one whole block)."""
+    def add(self, offset: int, data: Any, values: list[int] | None = None) -> None:
+        """Record ``data`` read at item offset ``offset``. ``values``: the
+        :func:`block_crcs` of ``data``, if already computed (used when ``offset`` is at
+        a block start; a last value that is not a whole block is not used)."""
         view = memoryview(data).cast("B")
         if not len(view):
             return
         self.pieces.append((offset, view))
         size, length = self.block_bytes, self.checksum.length
-        if value is not None and offset % size == 0 and len(view) == min(size, length - offset):
-            self.covered[offset // size] = value
+        if values is not None and offset % size == 0:
+            first, end = offset // size, offset + len(view)
+            for i, value in enumerate(values):
+                if min(offset + (i + 1) * size, length) <= end:  # a whole block
+                    self.covered[first + i] = value
             return
         b = -(-offset // size)  # the first block starting inside the piece
         end = offset + len(view)

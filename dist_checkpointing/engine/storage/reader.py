@@ -209,15 +209,29 @@ class FileSystemReader(StorageReader):
             file = DataFile(stream, path, size, self.fs.read_limits())
             for read_item, info in items:
                 file.check_range(info.offset, info.length, read_item)
+            # Each item is verified after the next one is read, so that the hashing
+            # thread checksums its last blocks meanwhile; on any error the items read
+            # before it are verified first (the first damaged one is the one named).
+            previous: ItemBytes | None = None
             i = 0
-            while i < len(items):
-                j = file.load_window(items, i)
-                for read_item, info in items[i:j]:
-                    item = ItemBytes(file, info.offset, info.length, read_item)
-                    item.verifier = self._verifier(relative_path, info.offset, info.length)
-                    self._read_item(item, read_item, planner, lock)
-                    item.verify()
-                i = j
+            try:
+                while i < len(items):
+                    j = file.load_window(items, i)
+                    for read_item, info in items[i:j]:
+                        item = ItemBytes(file, info.offset, info.length, read_item)
+                        item.verifier = self._verifier(relative_path, info.offset, info.length)
+                        self._read_item(item, read_item, planner, lock)
+                        if previous is not None:
+                            done, previous = previous, None
+                            done.verify()
+                        previous = item
+                    i = j
+            except BaseException:
+                if previous is not None:
+                    previous.verify()
+                raise
+            if previous is not None:
+                previous.verify()
 
     def _verifier(self, relative_path: str, offset: int, length: int) -> BlockVerifier | None:
         """Checks the item's blocks as it is read (None: no checksums recorded)."""
