@@ -212,6 +212,9 @@ class FileSystemReader(StorageReader):
             # Each item is verified after the next one is read, so that the hashing
             # thread checksums its last blocks meanwhile; on any error the items read
             # before it are verified first (the first damaged one is the one named).
+            # A streamed file (object stores) is read in order: verified at once, as a
+            # verification may read the unread bytes of a block it touched.
+            defer = not self.fs.sequential_reads
             previous: ItemBytes | None = None
             i = 0
             try:
@@ -224,7 +227,10 @@ class FileSystemReader(StorageReader):
                         if previous is not None:
                             done, previous = previous, None
                             done.verify()
-                        previous = item
+                        if defer:
+                            previous = item
+                        else:
+                            item.verify()
                     i = j
             except BaseException:
                 if previous is not None:
