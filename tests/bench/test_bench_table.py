@@ -65,3 +65,24 @@ def test_quick_table_has_every_row_and_column(tmp_path: Path) -> None:
     assert [r["ranks"] for r in merged] == [1, 2]
     assert any(line.startswith("big, 1 rank(s): ours save at") for line in lines)
     assert any(line.startswith("mid, 2 rank(s): ours load") for line in lines)
+
+
+def test_a_method_over_its_time_budget_is_skipped_with_the_estimate() -> None:
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from table_run import over_budget
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    mid = {"status": "ok", "save_s": 6.0, "load_s": 4.0}  # 1 ms per tensor
+    result = {"cases": {"mid": {"tensors": 10_000, "methods": {"dcp": mid}}}}
+    args = argparse.Namespace(method_budget_s=300.0, repeat=3)
+    assert over_budget(result, "dcp", 100_000, args) == ""  # 100 s x 3 runs: within 300 s
+    tight = argparse.Namespace(method_budget_s=299.0, repeat=3)
+    reason = over_budget(result, "dcp", 100_000, tight)
+    assert reason.startswith("n/a (skipped") and "~300 s estimated" in reason
+    assert over_budget(result, "ours", 100_000, args) == ""  # nothing measured yet: run
+    assert (
+        over_budget(result, "dcp", 100_000, argparse.Namespace(method_budget_s=0, repeat=3)) == ""
+    )
