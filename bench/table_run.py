@@ -132,25 +132,42 @@ def run_method(method: Method, sizes: list[int], args: argparse.Namespace) -> di
     return out
 
 
-def over_budget(result: dict[str, Any], method: str, tensors: int, args: argparse.Namespace) -> str:
-    """Why ``method`` is skipped on a case of ``tensors`` tensors: its time, estimated from
-    the per-tensor time of the previous case it ran (the same on every rank), is over
-    ``--method-budget-s``; "" to run it. So that one ``make bench`` finishes (plain DCP
-    takes over ten minutes per operation on 100,000 tensors on a 2-core VM)."""
+def over_budget(
+    result: dict[str, Any], method: str, tensors: int, nbytes: int, args: argparse.Namespace
+) -> str:
+    """Why ``method`` is skipped on a case of ``tensors`` tensors and ``nbytes`` bytes: its
+    estimated time is over ``--method-budget-s``; "" to run it. The estimate (the same on
+    every rank) comes from the cases it ran before: with two, a fit of seconds per tensor
+    plus seconds per byte; with one, the smaller of its per-tensor and per-byte
+    extrapolations (a lower bound: a method is skipped only when it surely is too slow).
+    So that one ``make bench`` finishes (plain DCP takes over ten minutes per operation
+    on 100,000 tensors on a 2-core VM)."""
     budget = args.method_budget_s
-    measured_cases = [
-        (c["tensors"], c["methods"][method])
+    runs = [
+        (c["tensors"], c["bytes"], c["methods"][method]["save_s"] + c["methods"][method]["load_s"])
         for c in result["cases"].values()
         if c["methods"].get(method, {}).get("status") == "ok"
     ]
-    if budget <= 0 or not measured_cases:
+    if budget <= 0 or not runs:
         return ""
-    count, done = measured_cases[-1]
-    per_tensor = (done["save_s"] + done["load_s"]) / count
-    estimate = per_tensor * tensors * args.repeat
+    estimate = _estimate(runs, tensors, nbytes) * args.repeat
     if estimate <= budget:
         return ""
     return f"n/a (skipped: ~{estimate:.0f} s estimated, over --method-budget-s {budget:.0f})"
+
+
+def _estimate(runs: list[tuple[int, int, float]], tensors: int, nbytes: int) -> float:
+    """Seconds for ``tensors`` tensors of ``nbytes`` bytes from ``(tensors, bytes, s)`` runs."""
+    if len(runs) >= 2:
+        (t1, b1, s1), (t2, b2, s2) = runs[-2:]
+        det = t1 * b2 - t2 * b1
+        if det:
+            per_tensor = (s1 * b2 - s2 * b1) / det
+            per_byte = (t1 * s2 - t2 * s1) / det
+            if per_tensor >= 0 and per_byte >= 0:
+                return per_tensor * tensors + per_byte * nbytes
+    t, b, s = runs[-1]
+    return min(s / t * tensors, s / b * nbytes if b else s / t * tensors)
 
 
 def save_json(result: dict[str, Any], out: str) -> None:
@@ -175,7 +192,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         case: dict[str, Any] = {"tensors": len(sizes), "bytes": sum(sizes), "methods": {}}
         result["cases"][name] = case
         for method in by_name(args.methods.split(",") if args.methods else None):
-            reason = method.unavailable() or over_budget(result, method.name, len(sizes), args)
+            reason = method.unavailable() or over_budget(
+                result, method.name, len(sizes), sum(sizes), args
+            )
             case["methods"][method.name] = (
                 {"status": reason}
                 if reason

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,14 +76,24 @@ def test_a_method_over_its_time_budget_is_skipped_with_the_estimate() -> None:
         from table_run import over_budget
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    mid = {"status": "ok", "save_s": 6.0, "load_s": 4.0}  # 1 ms per tensor
-    result = {"cases": {"mid": {"tensors": 10_000, "methods": {"dcp": mid}}}}
-    args = argparse.Namespace(method_budget_s=300.0, repeat=3)
-    assert over_budget(result, "dcp", 100_000, args) == ""  # 100 s x 3 runs: within 300 s
-    tight = argparse.Namespace(method_budget_s=299.0, repeat=3)
-    reason = over_budget(result, "dcp", 100_000, tight)
-    assert reason.startswith("n/a (skipped") and "~300 s estimated" in reason
-    assert over_budget(result, "ours", 100_000, args) == ""  # nothing measured yet: run
-    assert (
-        over_budget(result, "dcp", 100_000, argparse.Namespace(method_budget_s=0, repeat=3)) == ""
-    )
+
+    def case(tensors: int, nbytes: int, seconds: float) -> dict[str, Any]:
+        run = {"status": "ok", "save_s": seconds / 2, "load_s": seconds / 2}
+        return {"tensors": tensors, "bytes": nbytes, "methods": {"dcp": run}}
+
+    def budget(seconds: float) -> argparse.Namespace:
+        return argparse.Namespace(method_budget_s=seconds, repeat=1)
+
+    gib = 1 << 30
+    # One case of few large tensors: the time is in the bytes; 10,000 small tensors of
+    # 248 MB are not extrapolated per tensor (that would give 200 s).
+    big_only = {"cases": {"big": case(200, gib, 4.0)}}
+    assert over_budget(big_only, "dcp", 10_000, 248 << 20, budget(150)) == ""
+    # Two cases: seconds per tensor and per byte are fitted (here 1 ms per tensor and
+    # 1 s per GiB), and 100,000 tensors of 1 KiB are estimated at about 100 s.
+    both = {"cases": {"big": case(200, gib, 1.2), "mid": case(10_000, gib // 4, 10.25)}}
+    assert over_budget(both, "dcp", 100_000, 100 << 20, budget(150)) == ""
+    reason = over_budget(both, "dcp", 100_000, 100 << 20, budget(60))
+    assert reason.startswith("n/a (skipped: ~100 s estimated"), reason
+    assert over_budget(both, "ours", 100_000, 100 << 20, budget(60)) == ""  # never measured
+    assert over_budget(both, "dcp", 100_000, 100 << 20, budget(0)) == ""  # no limit
