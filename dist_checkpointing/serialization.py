@@ -363,7 +363,6 @@ def _metadata_files(ckpt: CheckpointDir, sharded: LoadShardedStrategy) -> list[s
     return [name for name in sharded.metadata_files if ckpt.has(name)]
 
 
-@_gc_paused_call
 def _open_for_load(
     ckpt: CheckpointDir,
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None,

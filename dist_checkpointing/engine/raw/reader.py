@@ -68,17 +68,6 @@ def _at(r: Read) -> int:
     return r.at
 
 
-def _done(fn: Any, *args: Any) -> Future[None]:
-    """``fn(*args)`` run now, as a finished Future (its exception kept for ``result``)."""
-    future: Future[None] = Future()
-    try:
-        fn(*args)
-        future.set_result(None)
-    except Exception as e:  # noqa: BLE001 - raised by result(), in file order
-        future.set_exception(e)
-    return future
-
-
 class RawReader:
     """Executes the reads of one load against the data files of ``index``."""
 
@@ -124,17 +113,22 @@ class RawReader:
             check.result()
 
     def _fetch(self, stream: ReadStream, path: str, reads: list[Read]) -> list[Future[None]]:
-        """Read ``reads`` (sorted by offset); returns the checks of what was read, each
-        started as soon as its bytes landed (on the hashing thread, while the next
-        bytes are read, or inline: see :func:`~..storage.checksums.hashing_thread`)."""
+        """Read ``reads`` (sorted by offset), checking what was read as soon as its bytes
+        landed: inline, or on the hashing thread while the next bytes are read (see
+        :func:`~..storage.checksums.hashing_thread`); returns those pending checks."""
         checks: list[Future[None]] = []
-        if not self.verify:
-            verify: Any = None
-        else:
-            hasher = hashing_thread()
+        hasher = hashing_thread() if self.verify else None
+        # A batch of small items is cut at this size when checked on the thread, so
+        # that its check overlaps the next batch's read.
+        batch_limit = _LARGE // 2 if hasher else None
 
-            def verify(fn: Any, *args: Any) -> None:
-                checks.append(hasher.submit(fn, *args) if hasher else _done(fn, *args))
+        def check(fn: Any, *args: Any) -> None:
+            if hasher is None:
+                fn(*args)
+            else:
+                checks.append(hasher.submit(fn, *args))
+
+        verify = check if self.verify else None
 
         fd: int | None = None
         if hasattr(os, "preadv"):
@@ -170,7 +164,12 @@ class RawReader:
                     flush()
                 self._read_large(fd, r, path, describe, verify)
                 continue
-            if batch and (at < pos or at - pos > self.max_gap or len(batch) >= _IOV_MAX - 1):
+            if batch and (
+                at < pos
+                or at - pos > self.max_gap
+                or len(batch) >= _IOV_MAX - 1
+                or (batch_limit is not None and pos - start >= batch_limit)
+            ):
                 flush()
             if not batch:
                 start = pos = at
