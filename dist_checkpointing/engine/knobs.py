@@ -23,8 +23,10 @@ CHECKSUM_BLOCK_BYTES           1048576    CRC32C block size of new saves (and mo
 VERIFY_CHECKSUMS               1          verify the checksums of what a load reads (0: off)
 SAVE_LOCK_STALE_S              3600.0     age after which another host's save lock counts as stale
 WRITE_CHECKSUMS                1          checksum data items as they are written (0: off)
-CHECKSUM_THREAD                1          a large read's blocks are checksummed on a helper
-                                          thread while the next block is read (0: inline)
+CHECKSUM_THREAD                2          a large read's blocks are checksummed on a helper
+                                          thread while the next block is read (0: inline;
+                                          1: always; 2: when this host has a CPU core
+                                          more than it has ranks)
 ASYNC_WORKER_START_TIMEOUT_S   120.0      wait for the persistent worker to be ready
 ASYNC_WORKER_FORK              1          fork the persistent worker (0: a fresh interpreter)
 MSC_READ_THREADS               4          msc:// data files a rank reads at once
@@ -136,7 +138,11 @@ WRITE_CHECKSUMS = Knob(
     "WRITE_CHECKSUMS", 1, 0, "checksum data items as they are written (0: off, unverifiable)"
 )
 CHECKSUM_THREAD = Knob(
-    "CHECKSUM_THREAD", 1, 0, "checksum blocks of large reads on a helper thread (0: inline)"
+    "CHECKSUM_THREAD",
+    2,
+    0,
+    "checksum blocks of large reads on a helper thread (0: inline, 1: always, 2: when a "
+    "core is spare)",
 )
 ASYNC_WORKER_START_TIMEOUT_S = Knob(
     "ASYNC_WORKER_START_TIMEOUT_S",

@@ -207,3 +207,23 @@ def test_check_whole_finds_any_damaged_byte(length: int) -> None:
             verifier.check_whole(memoryview(data[:-1]))
     with pytest.raises(ChecksumMismatch):
         verifier.check_whole(memoryview(data + b"x"))
+
+
+@pytest.mark.parametrize(
+    ("mode", "local_ranks", "threaded"),
+    [("0", "1", False), ("1", "64", True), ("2", "1", True), ("2", "64", False), ("", "64", False)],
+)
+def test_the_hashing_thread_runs_only_beside_a_spare_core(
+    monkeypatch: pytest.MonkeyPatch, mode: str, local_ranks: str, threaded: bool
+) -> None:
+    """By default (2) the CRC goes to a helper thread only where this host has a core more
+    than ranks; with every core busy it runs inline, on bytes still in the cache."""
+    from dist_checkpointing.engine.storage import checksums
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv("DIST_CKPT_CHECKSUM_THREAD", mode)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    assert (checksums.hashing_thread() is not None) is threaded
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x4)")  # SLURM's own spelling
+    assert checksums.ranks_on_this_host() == 2 and not checksums.spare_core()

@@ -28,6 +28,10 @@ from .writer import vectored_all
 
 _IOV_MAX = 1024
 _LARGE = 16 << 20  # reads above this are verified piece by piece as they land
+# Checked inline, reads are cut at about what a core's cache holds, so that the CRC
+# reads bytes still in the cache: items above twice this are read and checked piece by
+# piece, batches of small items are cut at this size.
+_CACHE_BYTES = 1 << 20
 
 
 @dataclass
@@ -118,9 +122,9 @@ class RawReader:
         :func:`~..storage.checksums.hashing_thread`); returns those pending checks."""
         checks: list[Future[None]] = []
         hasher = hashing_thread() if self.verify else None
-        # A batch of small items is cut at this size when checked on the thread, so
-        # that its check overlaps the next batch's read.
-        batch_limit = _LARGE // 2 if hasher else None
+        # A batch of small items is cut at this size: on the thread, so that its check
+        # overlaps the next batch's read; inline, so that it checks bytes in the cache.
+        batch_limit = _LARGE // 2 if hasher else _CACHE_BYTES
 
         def check(fn: Any, *args: Any) -> None:
             if hasher is None:
@@ -159,16 +163,16 @@ class RawReader:
 
         for r in reads:
             at = r.at
-            if verify and r.length > _LARGE:  # verified piece by piece as it lands
+            if verify and r.length > 2 * batch_limit:  # verified piece by piece
                 if batch:
                     flush()
-                self._read_large(fd, r, path, describe, verify)
+                self._read_large(fd, r, path, describe, verify, batch_limit)
                 continue
             if batch and (
                 at < pos
                 or at - pos > self.max_gap
                 or len(batch) >= _IOV_MAX - 1
-                or (batch_limit is not None and pos - start >= batch_limit)
+                or (verify and pos - start >= batch_limit)
             ):
                 flush()
             if not batch:
@@ -183,12 +187,14 @@ class RawReader:
             flush()
         return checks
 
-    def _read_large(self, fd: int, r: Read, path: str, describe: Any, verify: Any) -> None:
-        """Read a large item a few checksum blocks at a time; each piece is checked as
-        soon as it lands (while its bytes are still in the CPU cache)."""
+    def _read_large(
+        self, fd: int, r: Read, path: str, describe: Any, verify: Any, chunk: int
+    ) -> None:
+        """Read a large item in pieces of about ``chunk`` bytes (whole checksum blocks);
+        each piece is checked as soon as it lands."""
         bb = self.index.block_bytes
         view = memoryview(r.dest).cast("B")
-        piece = max(bb, _LARGE // 2 // bb * bb)
+        piece = max(bb, chunk // bb * bb)
         for start in range(0, r.length, piece):
             part = view[start : start + piece]
             _read_all(fd, [part], r.at + start, describe)
