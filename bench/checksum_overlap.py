@@ -43,9 +43,7 @@ def make_case(name: str) -> dict[str, torch.Tensor]:
 def sharded(tensors: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
     """Each tensor as this rank's shard (axis 0) of a global tensor over all ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    return {
-        k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in tensors.items()
-    }
+    return {k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in tensors.items()}
 
 
 def slowest(seconds: float) -> float:
