@@ -29,6 +29,8 @@ CHECKSUM_THREAD                2          a large read's blocks are checksummed 
                                           more than it has ranks)
 ASYNC_WORKER_START_TIMEOUT_S   120.0      wait for the persistent worker to be ready
 ASYNC_WORKER_FORK              1          fork the persistent worker (0: a fresh interpreter)
+ASYNC_WORKER_WIPE_ON_FORK      1          the forked worker gets zero pages for the trainer's
+                                          large CPU tensors instead of copy-on-write shares
 MSC_READ_THREADS               4          msc:// data files a rank reads at once
 MSC_READ_CHUNK_BYTES           67108864   most bytes one GET of an msc:// data file fetches
 MSC_READ_AHEAD                 1          GETs of one msc:// file in flight ahead of the reader
@@ -157,6 +159,12 @@ ASYNC_WORKER_FORK = Knob(
     "1: fork the persistent worker from the trainer (milliseconds); 0: start a fresh "
     "interpreter that imports torch (seconds)",
 )
+ASYNC_WORKER_WIPE_ON_FORK = Knob(
+    "ASYNC_WORKER_WIPE_ON_FORK",
+    1,
+    0,
+    "the forked persistent worker does not share the trainer's large CPU tensors",
+)
 MSC_READ_THREADS = Knob("MSC_READ_THREADS", 4, 1, "msc:// data files a rank reads at once")
 MSC_READ_CHUNK_BYTES = Knob(
     "MSC_READ_CHUNK_BYTES", 64 << 20, 1, "most bytes one GET of an msc:// data file fetches"
@@ -228,6 +236,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     WRITE_CHECKSUMS,
     ASYNC_WORKER_START_TIMEOUT_S,
     ASYNC_WORKER_FORK,
+    ASYNC_WORKER_WIPE_ON_FORK,
     MSC_READ_THREADS,
     MSC_READ_CHUNK_BYTES,
     MSC_READ_AHEAD,
@@ -265,6 +274,7 @@ __all__ = [
     "WRITE_CHECKSUMS",
     "ASYNC_WORKER_START_TIMEOUT_S",
     "ASYNC_WORKER_FORK",
+    "ASYNC_WORKER_WIPE_ON_FORK",
     "MSC_READ_THREADS",
     "MSC_READ_CHUNK_BYTES",
     "MSC_READ_AHEAD",

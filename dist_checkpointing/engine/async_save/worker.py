@@ -31,6 +31,7 @@ format (:class:`~.persistent._SnapshotPickler`) is unchanged.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -46,7 +47,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .. import knobs
 from ..process import format_current_exception
+from .fork_memory import tensors_wiped_on_fork
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +82,8 @@ class ForkedProcess:
             args=(requests_fd, results_fd, parent_ends),
             name="dist-ckpt-persistent-worker",
         )
-        with warnings.catch_warnings():
+        wipe = bool(knobs.ASYNC_WORKER_WIPE_ON_FORK.get())
+        with warnings.catch_warnings(), tensors_wiped_on_fork(wipe):
             # Python 3.12+ warns when a process with threads forks; the child runs
             # only :func:`main` (its own threads) and no intra-op thread pool.
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -102,6 +106,10 @@ class ForkedProcess:
 
 
 def _forked_main(requests_fd: int, results_fd: int, parent_ends: tuple[int, ...]) -> None:
+    # What the trainer left here is never collected nor traversed: a collection would
+    # touch (copy) its pages and could tear down objects (CUDA state, wiped tensors:
+    # see fork_memory) that only the trainer may release.
+    gc.freeze()
     for fd in parent_ends:
         os.close(fd)
     import torch
