@@ -11,6 +11,7 @@ without reporting with :func:`describe_exit`.
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import multiprocessing
 import signal
@@ -18,6 +19,27 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+# Set while an async request runs synchronously in the caller (the trainer) itself.
+_IN_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar("in_caller", default=False)
+
+
+@contextmanager
+def running_in_caller() -> Iterator[None]:
+    """Mark the block as an async request run in the trainer's own process
+    (``AsyncRequest.execute_sync``): its writers then use threads, not forked processes,
+    since a fork would make every page of the trainer copy-on-write (its next write to
+    each page faults, and copies the page while the child lives)."""
+    token = _IN_CALLER.set(True)
+    try:
+        yield
+    finally:
+        _IN_CALLER.reset(token)
+
+
+def in_caller() -> bool:
+    """Whether this runs inside :func:`running_in_caller`."""
+    return _IN_CALLER.get()
 
 
 @contextmanager

@@ -646,3 +646,39 @@ def test_persistent_without_snapshot_shares_the_live_tensor(tmp_path: Path) -> N
     (result,) = run_distributed(_rank_shared_mode, 1, tmp_path, timeout=60.0)
     assert result == {"finalized": [0], "shared": True}
     assert (tmp_path / "shared_rank0.txt").read_text().split(",")[0].startswith("3")
+
+
+def _rank_execute_sync_forks_nothing(tmp: Path) -> dict[str, Any]:
+    import dist_checkpointing as dc
+    from dist_checkpointing import ShardedTensor
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    forks: list[int] = []
+    os.register_at_fork(before=lambda: forks.append(1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = {
+        k: torch.arange(4096, dtype=torch.float32) * (i + 1) + rank for i, k in enumerate("ab")
+    }
+    sd = {k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in local.items()}
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=2)  # two files
+    (tmp / "ckpt").mkdir(exist_ok=True)
+    request = dc.save(sd, str(tmp / "ckpt"), strategy, async_sharded_save=True)
+    assert request is not None
+    request.execute_sync()
+    saved_forks = len(forks)
+    target = {
+        k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v), (0, rank, world))
+        for k, v in local.items()
+    }
+    loaded = dc.load(target, str(tmp / "ckpt"))
+    exact = all(torch.equal(loaded[k], v) for k, v in local.items())
+    files = sorted(p.name for p in (tmp / "ckpt").glob("*.distcp"))
+    return {"forks": saved_forks, "exact": exact, "files": files}
+
+
+def test_execute_sync_writes_with_threads_never_forking_the_trainer(tmp_path: Path) -> None:
+    """An async request run in the caller (execute_sync) writes its several files from
+    threads: a fork would leave every page of the trainer copy-on-write."""
+    for result in run_distributed(_rank_execute_sync_forks_nothing, 2, tmp_path, timeout=60.0):
+        assert result["forks"] == 0 and result["exact"]
+        assert len(result["files"]) == 4  # 2 ranks x 2 files: several buckets per rank

@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ...errors import CheckpointingException
-from ..process import format_current_exception
+from ..process import format_current_exception, running_in_caller
 from .agreement import _CallStatus, _raise_on_failure, _run_finalize_fns, _settle, _State
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,9 @@ class AsyncRequest:
     ) -> None:
         """Run the request in this process: preload, ``async_fn``, then finalize.
 
-        This is what a synchronous save does. Unless ``no_dist`` (or
+        This is what a synchronous save does. Nothing is forked from this process
+        meanwhile: writers that would run one process per file run threads here (a fork
+        would leave every page of the trainer copy-on-write). Unless ``no_dist`` (or
         torch.distributed is not initialized), all ranks of ``process_group``
         must call it: they agree on success before any finalize function runs,
         exactly as an async save does.
@@ -159,9 +161,10 @@ class AsyncRequest:
         """
         status = _CallStatus(self.call_idx, _State.DONE)
         try:
-            args = self.staged_args()
-            if self.async_fn is not None:
-                self.async_fn(*args, **self.async_fn_kwargs)
+            with running_in_caller():  # no process forked from the trainer
+                args = self.staged_args()
+                if self.async_fn is not None:
+                    self.async_fn(*args, **self.async_fn_kwargs)
         except Exception:
             status = _CallStatus(
                 self.call_idx, _State.FAILED, format_current_exception("async_fn raised")

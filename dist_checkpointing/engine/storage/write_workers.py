@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._torch_compat import StorageInfo
-from ..process import child_context, describe_exit, gc_paused, traceback_text
+from ..process import child_context, describe_exit, gc_paused, in_caller, traceback_text
 from .base import FileSystemIO
 from .checksums import ChecksumStream, ItemChecksum
 from .resolve import filesystem_for
@@ -330,7 +330,8 @@ def write_buckets_multiproc(
     bucket is written in this process; several are written by one forked process
     each (``fork`` where available: this function usually runs in a process that
     was itself forked from the trainer, and forking avoids re-importing it; the
-    buckets need not be pickled). A worker that raises reports its traceback; one
+    buckets need not be pickled), or by threads where a fork is not wanted: in a
+    daemonic process, or in the trainer itself (``AsyncRequest.execute_sync``). A worker that raises reports its traceback; one
     that dies is detected from its exit code. Never raises for write failures:
     they go into the outcome, and :meth:`FileSystemWriterAsync.retrieve_write_results`
     raises them. ``write_bucket`` writes one bucket file (the writer passes its
@@ -368,8 +369,11 @@ def _write_buckets(
 
     fs = filesystem_for(os.path.dirname(buckets[0].path) if buckets else ".")
     with gc_paused():
-        if (in_process or multiprocessing.current_process().daemon) and len(buckets) > 1:
-            # A daemonic process may not start children: write with threads instead.
+        threads = in_process or in_caller() or multiprocessing.current_process().daemon
+        if threads and len(buckets) > 1:
+            # A daemonic process may not start children, and a fork of the trainer
+            # (a request run in it: execute_sync) would make all its pages
+            # copy-on-write: write with threads instead.
             outcome = write_buckets_threaded(rank, buckets, fs, sync_files, write_bucket)
         elif len(buckets) == 1:
             try:
