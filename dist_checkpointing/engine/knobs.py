@@ -28,9 +28,13 @@ CHECKSUM_THREAD                2          a large read's blocks are checksummed 
                                           1: always; 2: when this host has a CPU core
                                           more than it has ranks)
 ASYNC_WORKER_START_TIMEOUT_S   120.0      wait for the persistent worker to be ready
+EXCHANGE_BUCKET_BYTES          67108864   most bytes of shards one broadcast of a fully parallel
+                                          load carries
 ASYNC_WORKER_FORK              1          fork the persistent worker (0: a fresh interpreter)
-ASYNC_WORKER_WIPE_ON_FORK      1          the forked worker gets zero pages for the trainer's
-                                          large CPU tensors instead of copy-on-write shares
+WIPE_TENSORS_ON_FORK           1          a fork that never reads the trainer's tensors (the
+                                          persistent worker, the metadata parse guard) gets
+                                          zero pages for the large CPU ones instead of
+                                          copy-on-write shares
 MSC_READ_THREADS               4          msc:// data files a rank reads at once
 MSC_READ_CHUNK_BYTES           67108864   most bytes one GET of an msc:// data file fetches
 MSC_READ_AHEAD                 1          GETs of one msc:// file in flight ahead of the reader
@@ -152,6 +156,9 @@ ASYNC_WORKER_START_TIMEOUT_S = Knob(
     0.0,
     "seconds a new persistent worker may take to be ready",
 )
+EXCHANGE_BUCKET_BYTES = Knob(
+    "EXCHANGE_BUCKET_BYTES", 64 << 20, 1, "most bytes of shards one exchange broadcast carries"
+)
 ASYNC_WORKER_FORK = Knob(
     "ASYNC_WORKER_FORK",
     1,
@@ -159,11 +166,11 @@ ASYNC_WORKER_FORK = Knob(
     "1: fork the persistent worker from the trainer (milliseconds); 0: start a fresh "
     "interpreter that imports torch (seconds)",
 )
-ASYNC_WORKER_WIPE_ON_FORK = Knob(
-    "ASYNC_WORKER_WIPE_ON_FORK",
+WIPE_TENSORS_ON_FORK = Knob(
+    "WIPE_TENSORS_ON_FORK",
     1,
     0,
-    "the forked persistent worker does not share the trainer's large CPU tensors",
+    "forks that never read the trainer's tensors do not share its large CPU tensors",
 )
 MSC_READ_THREADS = Knob("MSC_READ_THREADS", 4, 1, "msc:// data files a rank reads at once")
 MSC_READ_CHUNK_BYTES = Knob(
@@ -235,8 +242,9 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_LOCK_STALE_S,
     WRITE_CHECKSUMS,
     ASYNC_WORKER_START_TIMEOUT_S,
+    EXCHANGE_BUCKET_BYTES,
     ASYNC_WORKER_FORK,
-    ASYNC_WORKER_WIPE_ON_FORK,
+    WIPE_TENSORS_ON_FORK,
     MSC_READ_THREADS,
     MSC_READ_CHUNK_BYTES,
     MSC_READ_AHEAD,
@@ -273,8 +281,9 @@ __all__ = [
     "SAVE_LOCK_STALE_S",
     "WRITE_CHECKSUMS",
     "ASYNC_WORKER_START_TIMEOUT_S",
+    "EXCHANGE_BUCKET_BYTES",
     "ASYNC_WORKER_FORK",
-    "ASYNC_WORKER_WIPE_ON_FORK",
+    "WIPE_TENSORS_ON_FORK",
     "MSC_READ_THREADS",
     "MSC_READ_CHUNK_BYTES",
     "MSC_READ_AHEAD",

@@ -298,3 +298,74 @@ def test_fp8_and_bool_shards_are_exchanged_bit_exactly(tmp_path: Path, exchange_
         _fp8_and_bool_exchange, 2, str(tmp_path), exchange_algo, timeout=TIMEOUT_S
     )
     assert results == [True, True]
+
+
+_MIXED_DTYPES = (torch.float64, torch.int8, torch.bfloat16, torch.bool, torch.float32)
+
+
+def _mixed_full(i: int) -> torch.Tensor:
+    """Tensor ``i`` of the mixed case, built the same way on every rank (odd sizes)."""
+    n = 3 * (i % 7) + 5  # 5..23 rows of 3: odd byte sizes for the 1-byte dtypes
+    values = torch.arange(n * 3, dtype=torch.float64).reshape(n, 3) * (i + 1) / 7
+    dtype = _MIXED_DTYPES[i % len(_MIXED_DTYPES)]
+    return values.to(dtype) if dtype is not torch.bool else values.long() % 2 == 0
+
+
+def _mixed_exchange(ckpt: str, bucket_bytes: str) -> bool:
+    """40 tensors of mixed dtypes, replicated on every rank, loaded fully parallel with
+    broadcasts packed up to ``bucket_bytes``: every value bit-exact."""
+    os.environ["DIST_CKPT_EXCHANGE_BUCKET_BYTES"] = bucket_bytes
+    rank = dist.get_rank()
+    full = {f"t{i}": _mixed_full(i) for i in range(40)}
+
+    def state(empty: bool) -> dict[str, Any]:
+        return {
+            k: ShardedTensor.from_rank_offsets(
+                k, torch.zeros_like(v) if empty else v.clone(), replica_id=rank
+            )
+            for k, v in full.items()
+        }
+
+    dcp.save(state(False), ckpt)
+    load = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+    loaded = dcp.load(state(True), ckpt, sharded_strategy=load)
+    return all(
+        loaded[k].dtype == v.dtype and torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8))  # type: ignore[index]
+        for k, v in full.items()
+    )
+
+
+@pytest.mark.parametrize("bucket_bytes", ["1", "200", str(64 << 20)])
+def test_packed_broadcasts_deliver_every_shard_bit_exactly(
+    tmp_path: Path, bucket_bytes: str
+) -> None:
+    """One shard per broadcast (a 1-byte limit), a few per broadcast, all of a rank's in
+    one: the same bytes, for every dtype and odd size (packed at aligned offsets)."""
+    results = run_distributed(_mixed_exchange, 3, str(tmp_path), bucket_bytes, timeout=TIMEOUT_S)
+    assert results == [True, True, True]
+
+
+def test_broadcast_buckets_group_each_owners_shards_up_to_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dist_checkpointing.exchange_utils import ShardDistribution, _broadcast_buckets
+
+    shards = {
+        ("k", (i,), None): ShardedTensor.from_rank_offsets(
+            "k", torch.zeros(10 + i, dtype=torch.int8)
+        )
+        for i in range(6)
+    }
+    owners = {sid: i % 2 for i, sid in enumerate(shards)}
+    distribution = ShardDistribution(owners, set(shards), shards, {sid: [0, 1] for sid in shards})
+    monkeypatch.setenv("DIST_CKPT_EXCHANGE_BUCKET_BYTES", "80")
+    buckets = _broadcast_buckets(distribution)
+    assert [owner for owner, _, _ in buckets] == [0, 0, 1, 1]  # by owner, in rank order
+    for owner, total, entries in buckets:
+        assert all(owners[sid] == owner for sid, _, _ in entries)
+        assert [offset for _, offset, _ in entries] == [64 * j for j in range(len(entries))]
+        assert entries[-1][1] + entries[-1][2] <= total
+        # Over the limit only as a single shard (each packed shard takes 64 bytes here).
+        assert len(entries) == 1 or total <= 80 + 64
+    sent = sorted(sid for _, _, entries in buckets for sid, _, _ in entries)
+    assert sent == sorted(shards)

@@ -6,12 +6,13 @@ import os
 import struct
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
-from dist_checkpointing.engine.async_save.fork_memory import tensor_ranges, tensors_wiped_on_fork
+from dist_checkpointing.engine.fork_memory import tensor_ranges, tensors_wiped_on_fork
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
 
@@ -75,7 +76,7 @@ def _worker_growth(monkeypatch: pytest.MonkeyPatch, wipe: str, state: torch.Tens
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     monkeypatch.setenv("DIST_CKPT_ASYNC_WORKER_FORK", "1")
-    monkeypatch.setenv("DIST_CKPT_ASYNC_WORKER_WIPE_ON_FORK", wipe)
+    monkeypatch.setenv("DIST_CKPT_WIPE_TENSORS_ON_FORK", wipe)
     me = psutil.Process()
     before = {p.pid for p in me.children()}
     queue = AsyncCallsQueue(persistent=True)
@@ -102,3 +103,22 @@ def test_the_worker_does_not_keep_copies_of_what_the_trainer_writes(
         assert growth < 16 * MIB
     else:  # the kernel's copy-on-write, which the knob exists to avoid
         assert growth > 64 * MIB
+
+
+@pytest.mark.parametrize(("wipe", "seen"), [("1", "0.0"), ("0", "3.0")])
+def test_the_metadata_parse_check_forks_without_sharing_large_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wipe: str, seen: str
+) -> None:
+    """The forked parse check of a ``.metadata`` never reads the loader's tensors: it gets
+    zero pages for them, so the load that follows writes into pages of its own."""
+    from dist_checkpointing.engine.safety.cpu_bounded import run_cpu_bounded
+
+    monkeypatch.setenv("DIST_CKPT_WIPE_TENSORS_ON_FORK", wipe)
+    t = torch.full((4 * MIB // 4,), 3.0)
+    out = tmp_path / "seen"
+
+    def parse() -> None:  # runs in the forked child
+        out.write_text(str(float(t[t.numel() // 2])))
+
+    assert run_cpu_bounded(parse, cpu_s=10.0, source="test", hint="")
+    assert out.read_text() == seen and float(t[t.numel() // 2]) == 3.0

@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import knobs
+from ..fork_memory import tensors_wiped_on_fork
 from ..process import format_current_exception
-from .fork_memory import tensors_wiped_on_fork
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ForkedProcess:
             args=(requests_fd, results_fd, parent_ends),
             name="dist-ckpt-persistent-worker",
         )
-        wipe = bool(knobs.ASYNC_WORKER_WIPE_ON_FORK.get())
+        wipe = bool(knobs.WIPE_TENSORS_ON_FORK.get())
         with warnings.catch_warnings(), tensors_wiped_on_fork(wipe):
             # Python 3.12+ warns when a process with threads forks; the child runs
             # only :func:`main` (its own threads) and no intra-op thread pool.

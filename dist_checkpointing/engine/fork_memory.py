@@ -1,31 +1,34 @@
-"""Keep a forked persistent worker from sharing the trainer's tensor memory.
+"""Forks that never read the trainer's tensors, kept from sharing them.
 
-A fork shares every private page of the parent with the child, copy-on-write, for as long
-as the child lives. The persistent worker (:mod:`.worker`) lives as long as the trainer and
-never reads the trainer's tensors (requests bring their bytes in shared memory), so that
-sharing only costs:
+A fork shares every private page of the parent with the child, copy-on-write: every page
+becomes write-protected in the parent, and stays shared for as long as the child lives.
+Two of our forks never read the trainer's tensors: the persistent async worker
+(:mod:`.async_save.worker`, which lives as long as the trainer; requests bring their bytes
+in shared memory) and the parse guard of a pickled ``.metadata``
+(:mod:`.safety.cpu_bounded`, forked by every load of a ``torch_dist`` checkpoint). For
+them the sharing only costs:
 
-- the trainer's first write to each shared page after the fork faults and copies the page:
-  the first optimizer step, or the first load into existing tensors, after the worker
-  started runs several times slower (a load of 1 GiB into existing tensors on the
-  development VM: about 3x);
+- the trainer's first write to each page after the fork faults (and copies the page while
+  the child lives): the load that follows the parse guard, or the first optimizer step
+  after the worker started, runs several times slower (1 GiB in 200 tensors loaded in
+  place on the development VM: 0.86-0.95 s after the guard's fork, 0.52 s without it);
 - the worker keeps the old copy of each page the trainer writes: its resident memory grows
   toward the size of the trainer's CPU state (model and optimizer state held on the CPU are
   held twice).
 
 :func:`tensors_wiped_on_fork` marks the page-aligned inside of every large CPU tensor
 storage of the trainer ``MADV_WIPEONFORK`` (Linux 4.14 and later) around the fork, and
-unmarks it right after: the worker gets zero-filled pages there, the trainer's pages are
+unmarks it right after: the child gets zero-filled pages there, the trainer's pages are
 neither shared nor write-protected. The first and last partial page of each storage (where
-the allocator keeps its bookkeeping) are shared as usual, so memory the worker might free
-or reuse stays valid, and reads of a wiped range in the worker return zeros, never fault.
+the allocator keeps its bookkeeping) are shared as usual, so memory the child might free
+or reuse stays valid, and reads of a wiped range in the child return zeros, never fault.
 The storages are held alive while marked. Where ``madvise`` refuses a range (not private
 anonymous memory: shared memory, pinned host memory from a driver; an older kernel) it is
-shared as before. Off with ``DIST_CKPT_ASYNC_WORKER_WIPE_ON_FORK=0``.
+shared as before. Off with ``DIST_CKPT_WIPE_TENSORS_ON_FORK=0``.
 
-The tensors are found by walking the garbage collector's objects once per worker start
-(about 0.1 s per million objects here); tensors with no Python object (held only by C++)
-are not found and are shared as before.
+The tensors are found by walking the garbage collector's objects once per fork (about
+0.2 s per million objects here); tensors with no Python object (held only by C++) are not
+found and are shared as before.
 """
 
 from __future__ import annotations
@@ -57,9 +60,14 @@ def tensor_ranges(min_bytes: int = MIN_RANGE_BYTES) -> tuple[list[tuple[int, int
     page = mmap.PAGESIZE
     found: dict[int, tuple[int, Any]] = {}
     tensor = torch.Tensor
+    is_tensor_type: dict[type, bool] = {}  # one issubclass per type, not per object
     for obj in gc.get_objects():
         # type(), not isinstance: no object's __class__ hook runs (some proxies warn).
-        if not issubclass(type(obj), tensor):
+        cls = type(obj)
+        hit = is_tensor_type.get(cls)
+        if hit is None:
+            hit = is_tensor_type[cls] = issubclass(cls, tensor)
+        if not hit:
             continue
         try:
             if obj.device.type != "cpu" or obj.layout != torch.strided:
