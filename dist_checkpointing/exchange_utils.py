@@ -209,24 +209,31 @@ def _receive_buffer(
 
 # Shards packed into one broadcast start at multiples of this (any dtype views them).
 _ALIGN = 64
+# A shard at least this large (or a sixteenth of the bucket size) travels alone, straight
+# from the loaded tensor into the destination tensor, with no packing copy.
+_DIRECT_BYTES = 4 << 20
+
+_Bucket = tuple[int, int, list[tuple[_ShardId, int, int]]]
 
 
-def _broadcast_buckets(
-    distribution: ShardDistribution,
-) -> list[tuple[int, int, list[tuple[_ShardId, int, int]]]]:
+def _broadcast_buckets(distribution: ShardDistribution) -> list[_Bucket]:
     """The broadcasts of an exchange: ``(owner, bytes, [(shard, offset, size), ...])``,
-    each the consecutive shards of one loading rank up to ``EXCHANGE_BUCKET_BYTES`` (a
-    larger shard alone). Every rank computes the same list."""
+    each the consecutive shards of one loading rank up to ``EXCHANGE_BUCKET_BYTES``; a
+    large shard alone. Every rank computes the same list."""
     by_owner: dict[int, list[_ShardId]] = defaultdict(list)
     for shard_id, owner in _exchanged(distribution):
         by_owner[owner].append(shard_id)
     limit = knobs.EXCHANGE_BUCKET_BYTES.get()
-    buckets: list[tuple[int, int, list[tuple[_ShardId, int, int]]]] = []
+    alone = min(_DIRECT_BYTES, max(1, limit // 16))
+    buckets: list[_Bucket] = []
     for owner in sorted(by_owner):
         entries: list[tuple[_ShardId, int, int]] = []
         pos = 0
         for shard_id in by_owner[owner]:
             size = _shard_size(distribution.shard_to_metadata[shard_id])
+            if size >= alone:
+                buckets.append((owner, size, [(shard_id, 0, size)]))
+                continue
             if entries and pos + size > limit:
                 buckets.append((owner, pos, entries))
                 entries, pos = [], 0
@@ -237,6 +244,50 @@ def _broadcast_buckets(
     return buckets
 
 
+def _direct_target(
+    sh: ShardedTensor | None, size: int, device: torch.device
+) -> torch.Tensor | None:
+    """The destination tensor of ``sh`` if a broadcast can land in it as is: contiguous,
+    on the group's device, exactly ``size`` bytes."""
+    data = None if sh is None else sh.data
+    if (
+        isinstance(data, torch.Tensor)
+        and type(data) is torch.Tensor
+        and data.device == device
+        and data.is_contiguous()
+        and data.numel() * data.element_size() == size
+        and size > 0
+    ):
+        return data
+    return None
+
+
+def _send_or_receive_alone(
+    owner: int,
+    shard_id: _ShardId,
+    size: int,
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    group: RankGroup,
+    result: dict[_ShardId, torch.Tensor],
+) -> None:
+    """One broadcast of one large shard: from the loaded tensor, into the destination."""
+    if owner == group.rank:
+        data = _as_bytes(loaded_tensors[shard_id]).to(group.device)
+        dist.broadcast(data, src=group.global_rank(owner), group=group.group)
+        return
+    sh = unloaded_shards.get(shard_id)
+    target = _direct_target(sh, size, group.device)
+    buffer = (
+        _as_bytes(target)
+        if target is not None
+        else torch.empty(size, dtype=torch.uint8, device=group.device)
+    )
+    dist.broadcast(buffer, src=group.global_rank(owner), group=group.group)
+    if sh is not None:
+        result[shard_id] = target if target is not None else _from_bytes(buffer, sh)
+
+
 @torch.no_grad()
 def exchange_loaded_tensors_broadcast(
     loaded_tensors: dict[_ShardId, torch.Tensor],
@@ -244,15 +295,23 @@ def exchange_loaded_tensors_broadcast(
     shard_distribution: ShardDistribution,
     parallelization_group: ProcessGroup = None,
 ) -> dict[_ShardId, torch.Tensor]:
-    """Broadcasts from the rank that loaded each shard that several ranks need, the
-    shards of one rank packed together up to ``EXCHANGE_BUCKET_BYTES`` per broadcast
-    (one collective per shard costs milliseconds each on gloo: minutes for 100,000).
+    """Broadcasts from the rank that loaded each shard that several ranks need: small
+    shards of one rank packed together up to ``EXCHANGE_BUCKET_BYTES`` per broadcast (one
+    collective per shard costs milliseconds each on gloo: minutes for 100,000), large ones
+    alone, received straight into their destination tensor where it is contiguous.
 
-    Returns ``loaded_tensors`` plus every shard of ``unloaded_shards`` (on the CPU).
+    Returns ``loaded_tensors`` plus every shard of ``unloaded_shards`` (on the CPU, or
+    the destination tensor itself where a shard landed there).
     """
     group = RankGroup(parallelization_group)
     result = dict(loaded_tensors)
     for owner, total, entries in _broadcast_buckets(shard_distribution):
+        if len(entries) == 1 and entries[0][1] == 0 and total == entries[0][2]:
+            shard_id, _, size = entries[0]
+            _send_or_receive_alone(
+                owner, shard_id, size, loaded_tensors, unloaded_shards, group, result
+            )
+            continue
         bucket = torch.empty(total, dtype=torch.uint8, device=group.device)
         if owner == group.rank:
             for shard_id, offset, size in entries:
@@ -267,9 +326,8 @@ def exchange_loaded_tensors_broadcast(
         whole = len(wanted) == len(entries)  # else copy out, not to keep the rest alive
         for shard_id, offset, size in wanted:
             data = bucket[offset : offset + size]
-            result[shard_id] = _from_bytes(
-                data if whole else data.clone(), unloaded_shards[shard_id]
-            )
+            sh = unloaded_shards[shard_id]
+            result[shard_id] = _from_bytes(data if whole else data.clone(), sh)
     return result
 
 

@@ -350,22 +350,24 @@ def test_broadcast_buckets_group_each_owners_shards_up_to_the_limit(
 ) -> None:
     from dist_checkpointing.exchange_utils import ShardDistribution, _broadcast_buckets
 
+    sizes = [10 + i % 6 for i in range(60)] + [150, 151]  # the last two travel alone
     shards = {
-        ("k", (i,), None): ShardedTensor.from_rank_offsets(
-            "k", torch.zeros(10 + i, dtype=torch.int8)
-        )
-        for i in range(6)
+        ("k", (i,), None): ShardedTensor.from_rank_offsets("k", torch.zeros(size, dtype=torch.int8))
+        for i, size in enumerate(sizes)
     }
     owners = {sid: i % 2 for i, sid in enumerate(shards)}
     distribution = ShardDistribution(owners, set(shards), shards, {sid: [0, 1] for sid in shards})
-    monkeypatch.setenv("DIST_CKPT_EXCHANGE_BUCKET_BYTES", "80")
+    monkeypatch.setenv("DIST_CKPT_EXCHANGE_BUCKET_BYTES", "1600")  # alone from 100 bytes
     buckets = _broadcast_buckets(distribution)
-    assert [owner for owner, _, _ in buckets] == [0, 0, 1, 1]  # by owner, in rank order
+    # By owner, in rank order: 30 small shards each (25 fit in 1600 bytes at 64 each), and
+    # one large shard alone (sent as met, before the last partial bucket).
+    shapes = [(owner, len(entries)) for owner, _, entries in buckets]
+    assert shapes == [(0, 25), (0, 1), (0, 5), (1, 25), (1, 1), (1, 5)]
     for owner, total, entries in buckets:
         assert all(owners[sid] == owner for sid, _, _ in entries)
         assert [offset for _, offset, _ in entries] == [64 * j for j in range(len(entries))]
-        assert entries[-1][1] + entries[-1][2] <= total
-        # Over the limit only as a single shard (each packed shard takes 64 bytes here).
-        assert len(entries) == 1 or total <= 80 + 64
+        assert entries[-1][1] + entries[-1][2] <= total <= 1600
+        if len(entries) == 1 and entries[0][2] >= 100:
+            assert total == entries[0][2]  # alone: exactly its bytes
     sent = sorted(sid for _, _, entries in buckets for sid, _, _ in entries)
     assert sent == sorted(shards)
