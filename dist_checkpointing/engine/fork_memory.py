@@ -28,7 +28,10 @@ shared as before. Off with ``DIST_CKPT_WIPE_TENSORS_ON_FORK=0``.
 
 The tensors are found by walking the garbage collector's objects once per fork (about
 0.2 s per million objects here); tensors with no Python object (held only by C++) are not
-found and are shared as before.
+found and are shared as before. The marks last from just before the fork to just after it
+(milliseconds): a process that another thread of the trainer forked in that window (and
+that does not ``exec``) would see zeros in those tensors too. Both our forks run on the
+caller's thread, as data-loader workers are usually started, so they never overlap those.
 """
 
 from __future__ import annotations
