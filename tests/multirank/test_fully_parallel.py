@@ -266,26 +266,27 @@ def test_each_shard_is_read_by_one_rank_of_the_group(tmp_path: Path) -> None:
     assert sum(1 for keys in reads if keys) >= 3  # and the reads are spread
 
 
-def _fp8_and_bool_exchange(ckpt: str, exchange_algo: str) -> bool:
+def _replicated(full: dict[str, torch.Tensor], empty: bool) -> dict[str, Any]:
+    """Every tensor of ``full`` whole on every rank (replica = rank), or zeros like it."""
     rank = dist.get_rank()
+    return {
+        k: ShardedTensor.from_rank_offsets(
+            k, torch.zeros_like(v) if empty else v.clone(), replica_id=rank
+        )
+        for k, v in full.items()
+    }
+
+
+def _fp8_and_bool_exchange(ckpt: str, exchange_algo: str) -> bool:
     full = {
         "f8": torch.arange(32, dtype=torch.float32).reshape(8, 4).to(torch.float8_e4m3fn),
         "flag": torch.arange(12).reshape(4, 3) % 3 == 0,
     }
-
-    def state(empty: bool) -> dict[str, Any]:
-        return {
-            k: ShardedTensor.from_rank_offsets(
-                k, torch.zeros_like(v) if empty else v.clone(), replica_id=rank
-            )
-            for k, v in full.items()
-        }
-
-    dcp.save(state(False), ckpt)
+    dcp.save(_replicated(full, False), ckpt)
     load = FullyParallelLoadStrategyWrapper(
         TorchDistLoadShardedStrategy(), exchange_algo=exchange_algo
     )
-    loaded = dcp.load(state(True), ckpt, sharded_strategy=load)
+    loaded = dcp.load(_replicated(full, True), ckpt, sharded_strategy=load)
     return all(
         torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8))  # type: ignore[index]
         for k, v in full.items()
@@ -315,20 +316,10 @@ def _mixed_exchange(ckpt: str, bucket_bytes: str) -> bool:
     """40 tensors of mixed dtypes, replicated on every rank, loaded fully parallel with
     broadcasts packed up to ``bucket_bytes``: every value bit-exact."""
     os.environ["DIST_CKPT_EXCHANGE_BUCKET_BYTES"] = bucket_bytes
-    rank = dist.get_rank()
     full = {f"t{i}": _mixed_full(i) for i in range(40)}
-
-    def state(empty: bool) -> dict[str, Any]:
-        return {
-            k: ShardedTensor.from_rank_offsets(
-                k, torch.zeros_like(v) if empty else v.clone(), replica_id=rank
-            )
-            for k, v in full.items()
-        }
-
-    dcp.save(state(False), ckpt)
+    dcp.save(_replicated(full, False), ckpt)
     load = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
-    loaded = dcp.load(state(True), ckpt, sharded_strategy=load)
+    loaded = dcp.load(_replicated(full, True), ckpt, sharded_strategy=load)
     return all(
         loaded[k].dtype == v.dtype and torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8))  # type: ignore[index]
         for k, v in full.items()
