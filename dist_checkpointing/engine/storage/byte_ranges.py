@@ -10,6 +10,7 @@ straight into a destination tensor), each piece handed to the item's
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import ChecksumMismatchError, CorruptCheckpointError
 from .base import ReadStream
-from .checksums import BlockVerifier, ChecksumMismatch, block_crcs, hashing_thread
+from .checksums import BlockVerifier, ChecksumMismatch, block_crcs, crc, hashing_thread
 
 # --------------------------------------------------------------------------- file access
 
@@ -97,6 +98,36 @@ _BLOCKS_PER_PIECE = 8
 _EDGE_BYTES = 4096
 
 
+# What the hashing of one read piece yields: the CRCs of the blocks it starts (for
+# BlockVerifier.add; None where it starts inside a block) and the CRCs of blocks it
+# completed with the item's edges, by block index.
+_PieceChecks = tuple[list[int] | None, dict[int, int]]
+
+
+def _piece_checks(
+    piece: memoryview,
+    size: int,
+    block: int,
+    before: memoryview | None,
+    after: memoryview | None,
+    ends_block: bool,
+) -> _PieceChecks:
+    """The checks of ``piece``, whose first byte lies in block ``block`` of its item.
+    ``before``: the bytes of that block before the piece, where the piece starts inside
+    it (then the piece lies within that one block) and they are held; ``after``: the
+    bytes of the piece's last block after it, where held; ``ends_block``: the piece ends
+    where its last block ends (the item's end included)."""
+    if before is not None:
+        value = crc(piece, crc(before))
+        if after is not None:
+            return None, {block: crc(after, value)}
+        return None, ({block: value} if ends_block else {})
+    values = block_crcs(piece, size)
+    if after is not None:
+        return values, {block + len(values) - 1: crc(after, values[-1])}
+    return values, {}
+
+
 class ItemBytes:
     """The bytes of one item: a slice of the file's window, or read from the file."""
 
@@ -113,7 +144,7 @@ class ItemBytes:
         self._tail: memoryview | None = None
         self.verifier: BlockVerifier | None = None
         # Pieces whose block CRCs the hashing thread is computing (see _read_verified).
-        self._hashing: list[tuple[int, memoryview, Future[list[int]]]] = []
+        self._hashing: list[tuple[int, memoryview, Future[_PieceChecks]]] = []
 
     def verify(self) -> None:
         """Check every checksum block of the item that was read (see :mod:`.checksums`).
@@ -122,8 +153,8 @@ class ItemBytes:
         if self.verifier is None:
             return
         try:
-            for at, piece, values in self._hashing:
-                self.verifier.add(at, piece, values.result())
+            for at, piece, checks in self._hashing:
+                self._add_checked(at, piece, checks.result())
             self._hashing.clear()
             if self.view is not None:  # the whole item is in memory: check it all
                 self.verifier.check_whole(self.view)
@@ -188,25 +219,62 @@ class ItemBytes:
     def _read_verified(self, offset: int, view: memoryview) -> None:
         """Read ``view`` from item offset ``offset`` a checksum block at a time. Each block
         is checksummed as it lands (while in the cache), on the hashing thread when there
-        is more than one, so that the next blocks are read meanwhile; the blocks are
-        checked against the record by :meth:`verify`, before the load returns."""
+        is one (see :func:`~.checksums.hashing_thread`), so that the next blocks are read
+        meanwhile; the blocks are checked against the record by :meth:`verify`, before
+        the load returns. The first and last block, shared with the zip header and
+        directory, are completed from the item's edges already read (not read again)."""
         assert self.verifier is not None
         size, n = self.verifier.block_bytes, len(view)
         hasher = hashing_thread() if n > size else None
         # With the hashing thread, read several blocks per piece (fewer hand-offs).
         span = size * (_BLOCKS_PER_PIECE if hasher else 1)
-        pending = self._hashing
         pos = 0
         while pos < n:
             at = offset + pos
             step = min(size - at % size if at % size else span, n - pos)
             piece = view[pos : pos + step]
             self.file.readinto(self.offset + at, piece, self.read_item)
+            end = at + step
+            job = functools.partial(
+                _piece_checks,
+                piece,
+                size,
+                at // size,
+                self._edge_before(at),
+                self._edge_after(end),
+                end % size == 0 or end == self.length,
+            )
             if hasher is None:
-                self.verifier.add(at, piece)
+                self._add_checked(at, piece, job())
             else:
-                pending.append((at, piece, hasher.submit(block_crcs, piece, size)))
+                self._hashing.append((at, piece, hasher.submit(job)))
             pos += step
+
+    def _edge_before(self, at: int) -> memoryview | None:
+        """The item's bytes from the start of ``at``'s block to ``at``, if the head edge
+        holds them (the zip header before the tensor bytes)."""
+        assert self.verifier is not None
+        start = at - at % self.verifier.block_bytes
+        if at == start or self._head is None or at > len(self._head):
+            return None
+        return self._head[start:at]
+
+    def _edge_after(self, end: int) -> memoryview | None:
+        """The item's bytes from ``end`` to the end of its block, if the tail edge holds
+        them (the zip directory after the tensor bytes)."""
+        assert self.verifier is not None
+        size = self.verifier.block_bytes
+        stop = min(end - end % size + size, self.length)
+        tail_at = self.length - _EDGE_BYTES
+        if end % size == 0 or end >= stop or self._tail is None or end < tail_at:
+            return None
+        return self._tail[end - tail_at : stop - tail_at]
+
+    def _add_checked(self, at: int, piece: memoryview, checks: _PieceChecks) -> None:
+        assert self.verifier is not None
+        values, covered = checks
+        self.verifier.add(at, piece, values)
+        self.verifier.covered.update(covered)
 
     def describe(self) -> str:
         return (
