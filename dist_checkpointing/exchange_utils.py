@@ -196,17 +196,6 @@ def _from_bytes(data: torch.Tensor, sh: ShardedTensor) -> torch.Tensor:
     return data.view(sh.dtype).reshape(_shard_shape(sh))
 
 
-def _receive_buffer(
-    shard_id: _ShardId,
-    unloaded_shards: dict[_ShardId, ShardedTensor],
-    distribution: ShardDistribution,
-    device: torch.device,
-) -> tuple[torch.Tensor, ShardedTensor]:
-    """An empty byte buffer on ``device`` for the shard, and the shard's description."""
-    sh = unloaded_shards.get(shard_id) or distribution.shard_to_metadata[shard_id]
-    return torch.empty(_shard_size(sh), dtype=torch.uint8, device=device), sh
-
-
 # Shards packed into one broadcast start at multiples of this (any dtype views them).
 _ALIGN = 64
 # A shard at least this large (or a sixteenth of the bucket size) travels alone, straight
@@ -251,8 +240,7 @@ def _direct_target(
     on the group's device, exactly ``size`` bytes."""
     data = None if sh is None else sh.data
     if (
-        isinstance(data, torch.Tensor)
-        and type(data) is torch.Tensor
+        type(data) is torch.Tensor
         and data.device == device
         and data.is_contiguous()
         and data.numel() * data.element_size() == size
@@ -306,7 +294,7 @@ def exchange_loaded_tensors_broadcast(
     group = RankGroup(parallelization_group)
     result = dict(loaded_tensors)
     for owner, total, entries in _broadcast_buckets(shard_distribution):
-        if len(entries) == 1 and entries[0][1] == 0 and total == entries[0][2]:
+        if len(entries) == 1:  # one shard (every rank sees the same): no packing
             shard_id, _, size = entries[0]
             _send_or_receive_alone(
                 owner, shard_id, size, loaded_tensors, unloaded_shards, group, result

@@ -46,6 +46,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from . import knobs
+
 logger = logging.getLogger(__name__)
 
 MADV_WIPEONFORK = 18  # Linux uapi values (asm-generic/mman-common.h)
@@ -101,10 +103,13 @@ def _madvise() -> Any:
 
 
 @contextlib.contextmanager
-def tensors_wiped_on_fork(enabled: bool = True) -> Iterator[int]:
+def tensors_wiped_on_fork(enabled: bool | None = None) -> Iterator[int]:
     """Within the block, a fork gives the child zero pages in place of the large CPU tensor
     storages of this process (see the module docstring); yields the bytes so marked (0
-    where nothing was: off, not Linux, or every range refused)."""
+    where nothing was: off, not Linux, or every range refused). ``enabled``: default,
+    the ``WIPE_TENSORS_ON_FORK`` knob."""
+    if enabled is None:
+        enabled = bool(knobs.WIPE_TENSORS_ON_FORK.get())
     if not enabled or not sys.platform.startswith("linux"):
         yield 0
         return

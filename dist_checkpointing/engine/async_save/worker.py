@@ -47,7 +47,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .. import knobs
 from ..fork_memory import tensors_wiped_on_fork
 from ..process import format_current_exception
 
@@ -82,8 +81,7 @@ class ForkedProcess:
             args=(requests_fd, results_fd, parent_ends),
             name="dist-ckpt-persistent-worker",
         )
-        wipe = bool(knobs.WIPE_TENSORS_ON_FORK.get())
-        with warnings.catch_warnings(), tensors_wiped_on_fork(wipe):
+        with warnings.catch_warnings(), tensors_wiped_on_fork():
             # Python 3.12+ warns when a process with threads forks; the child runs
             # only :func:`main` (its own threads) and no intra-op thread pool.
             warnings.simplefilter("ignore", DeprecationWarning)

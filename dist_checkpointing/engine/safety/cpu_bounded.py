@@ -38,7 +38,6 @@ from typing import NoReturn
 
 from dist_checkpointing.errors import CorruptCheckpointError
 
-from .. import knobs
 from ..fork_memory import tensors_wiped_on_fork
 from ..process import describe_exit
 
@@ -88,8 +87,7 @@ def run_cpu_bounded(fn: Callable[[], object], *, cpu_s: float, source: str, hint
     try:
         # The child only parses: it need not share the large tensors, and sharing them
         # would make the load that follows fault on every page it writes (see fork_memory).
-        wipe = bool(knobs.WIPE_TENSORS_ON_FORK.get())
-        with warnings.catch_warnings(), tensors_wiped_on_fork(wipe):
+        with warnings.catch_warnings(), tensors_wiped_on_fork():
             # Python 3.12+ warns when a process with threads forks: the child only parses.
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()

@@ -331,8 +331,9 @@ def write_buckets_multiproc(
     each (``fork`` where available: this function usually runs in a process that
     was itself forked from the trainer, and forking avoids re-importing it; the
     buckets need not be pickled), or by threads where a fork is not wanted: in a
-    daemonic process, or in the trainer itself (``AsyncRequest.execute_sync``). A worker that raises reports its traceback; one
-    that dies is detected from its exit code. Never raises for write failures:
+    daemonic process, or in the trainer itself (``AsyncRequest.execute_sync``). A
+    worker that raises reports its traceback; one that dies is detected from its exit
+    code. Never raises for write failures:
     they go into the outcome, and :meth:`FileSystemWriterAsync.retrieve_write_results`
     raises them. ``write_bucket`` writes one bucket file (the writer passes its
     ``write_preloaded_data``, which users may patch).
