@@ -22,6 +22,7 @@ from dist_checkpointing.engine.storage.checksums import (
     ItemChecksum,
     block_crcs,
 )
+from dist_checkpointing.engine.storage.staging_pool import StagingPool, fill_from_host
 
 
 def _item_checksum(data: bytes, block: int) -> ItemChecksum:
@@ -47,29 +48,45 @@ def reads(draw: st.DrawFn) -> tuple[bytes, int, list[tuple[int, int]]]:
 
 
 def _verify(
-    stored: bytes, seen: bytes, block: int, pieces: list[tuple[int, int]], precomputed: bool
+    stored: bytes,
+    seen: bytes,
+    block: int,
+    pieces: list[tuple[int, int]],
+    precomputed: bool,
+    transient: bool = False,
 ) -> None:
     verifier = BlockVerifier(_item_checksum(stored, block), block)
+    staging = bytearray(len(seen))  # one buffer reused for every transient piece
     for offset, n in pieces:
         piece = bytearray(seen[offset : offset + n])
+        if transient:
+            staging[:n] = piece
+            piece = memoryview(staging)[:n]  # type: ignore[assignment]
         # As the hashing thread hands them over: the block CRCs of the piece as read.
-        verifier.add(offset, piece, block_crcs(piece, block) if precomputed else None)
+        values = block_crcs(piece, block) if precomputed else None
+        verifier.add(offset, piece, values, transient)
+        if transient:
+            staging[:] = bytes([0xA5]) * len(staging)  # the buffer's next use
     verifier.finish(lambda offset, n: memoryview(bytearray(seen[offset : offset + n])))
 
 
 @settings(max_examples=300, deadline=None)
-@given(reads(), st.booleans())
+@given(reads(), st.booleans(), st.booleans())
 def test_intact_bytes_pass_for_any_split(
-    case: tuple[bytes, int, list[tuple[int, int]]], precomputed: bool
+    case: tuple[bytes, int, list[tuple[int, int]]], precomputed: bool, transient: bool
 ) -> None:
+    """Also when every piece arrives in one staging buffer, reused after each add."""
     data, block, pieces = case
-    _verify(data, data, block, pieces, precomputed)
+    _verify(data, data, block, pieces, precomputed, transient)
 
 
 @settings(max_examples=300, deadline=None)
-@given(reads(), st.data(), st.booleans())
+@given(reads(), st.data(), st.booleans(), st.booleans())
 def test_a_damaged_byte_in_a_touched_block_is_found(
-    case: tuple[bytes, int, list[tuple[int, int]]], draw: st.DataObject, precomputed: bool
+    case: tuple[bytes, int, list[tuple[int, int]]],
+    draw: st.DataObject,
+    precomputed: bool,
+    transient: bool,
 ) -> None:
     data, block, pieces = case
     touched = sorted(
@@ -80,7 +97,7 @@ def test_a_damaged_byte_in_a_touched_block_is_found(
     damaged = bytearray(data)
     damaged[at] ^= 1 << draw.draw(st.integers(0, 7))
     with pytest.raises(ChecksumMismatch) as info:
-        _verify(data, bytes(damaged), block, pieces, precomputed)
+        _verify(data, bytes(damaged), block, pieces, precomputed, transient)
     assert info.value.offset == b * block
 
 
@@ -99,8 +116,15 @@ def test_whole_blocks_are_checksummed_when_added() -> None:
 
 
 def _read_item_into_tensor(
-    path: str, data: bytes, block: int, checksum: ItemChecksum, start: int = 0
+    path: str,
+    data: bytes,
+    block: int,
+    checksum: ItemChecksum,
+    start: int = 0,
+    staging_bytes: int = 0,
 ) -> bytes:
+    """The item's bytes from ``start``, read into a tensor (``staging_bytes``: through a
+    pool of staging buffers of that size, as a load into an accelerator tensor is)."""
     import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -121,7 +145,13 @@ def _read_item_into_tensor(
         file = DataFile(stream, path, len(data), (0, 0, 1))  # no window: read in place
         item = ItemBytes(file, 0, len(data), read_item)
         item.verifier = BlockVerifier(checksum, block)
-        item.read_into_tensor(start, target)
+        if staging_bytes:
+            pool = StagingPool(budget_bytes=2 * staging_bytes, buffer_bytes=staging_bytes)
+            fill_from_host(
+                target, lambda at, host: item.read_into_tensor(start + at, host, True), pool
+            )
+        else:
+            item.read_into_tensor(start, target)
         item.verify()
     return target.numpy().tobytes()
 
@@ -132,6 +162,7 @@ def _read_item_into_tensor(
     blocks=st.integers(1, 19),
     tail=st.integers(0, 4095),
     start=st.integers(0, 9000),
+    staging=st.sampled_from([0, 4096, 5000, 12288]),
     damage=st.data(),
 )
 def test_large_reads_verify_every_block_with_and_without_the_hashing_thread(
@@ -139,12 +170,14 @@ def test_large_reads_verify_every_block_with_and_without_the_hashing_thread(
     blocks: int,
     tail: int,
     start: int,
+    staging: int,
     damage: st.DataObject,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """A read of the item from ``start`` (a partial, resharded read when not 0) into a
-    tensor: intact bytes arrive whole; a damaged byte in any block the read touched is
-    reported with its block's offset."""
+    tensor, directly or through reused staging buffers (``staging``): intact bytes
+    arrive whole; a damaged byte in any block the read touched is reported with its
+    block's offset."""
     from dist_checkpointing.errors import ChecksumMismatchError
 
     block = 4096
@@ -156,14 +189,15 @@ def test_large_reads_verify_every_block_with_and_without_the_hashing_thread(
         f.write(data)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DIST_CKPT_CHECKSUM_THREAD", thread)
-        assert _read_item_into_tensor(path, data, block, checksum, start) == data[start:]
+        read = _read_item_into_tensor(path, data, block, checksum, start, staging)
+        assert read == data[start:]
         at = damage.draw(st.integers(start // block * block, len(data) - 1))
         damaged = bytearray(data)
         damaged[at] ^= 0x01
         with open(path, "wb") as f:
             f.write(damaged)
         with pytest.raises(ChecksumMismatchError) as err:
-            _read_item_into_tensor(path, data, block, checksum, start)
+            _read_item_into_tensor(path, data, block, checksum, start, staging)
     assert f"at byte {at // block * block}" in str(err.value)
     assert "'layer.weight'" in str(err.value) and path in str(err.value)
 

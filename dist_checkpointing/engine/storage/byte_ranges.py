@@ -201,8 +201,11 @@ class ItemBytes:
             self.verifier.add(offset, buf)
         return buf
 
-    def read_into_tensor(self, offset: int, t: torch.Tensor) -> None:
-        """Fill contiguous CPU tensor ``t`` with ``t.nbytes`` bytes from ``offset``."""
+    def read_into_tensor(self, offset: int, t: torch.Tensor, transient: bool = False) -> None:
+        """Fill contiguous CPU tensor ``t`` with ``t.nbytes`` bytes from ``offset``.
+        ``transient``: ``t`` is reused once this returns (a staging buffer): its bytes
+        are checksummed before it returns, and what :meth:`verify` still needs is kept
+        as a copy (at most a block at each end)."""
         n = t.nbytes
         if offset < 0 or offset + n > self.length:
             raise CorruptCheckpointError(f"{self.describe()}: tensor bytes out of range")
@@ -214,9 +217,10 @@ class ItemBytes:
             view = t.reshape(-1).view(torch.uint8).numpy().data
             self.file.readinto(self.offset + offset, view, self.read_item)
         else:
-            self._read_verified(offset, t.reshape(-1).view(torch.uint8).numpy().data)
+            view = t.reshape(-1).view(torch.uint8).numpy().data
+            self._read_verified(offset, view, transient)
 
-    def _read_verified(self, offset: int, view: memoryview) -> None:
+    def _read_verified(self, offset: int, view: memoryview, transient: bool = False) -> None:
         """Read ``view`` from item offset ``offset`` a checksum block at a time. Each block
         is checksummed as it lands (while in the cache), on the hashing thread when there
         is one (see :func:`~.checksums.hashing_thread`), so that the next blocks are read
@@ -225,7 +229,7 @@ class ItemBytes:
         directory, are completed from the item's edges already read (not read again)."""
         assert self.verifier is not None
         size, n = self.verifier.block_bytes, len(view)
-        hasher = hashing_thread() if n > size else None
+        hasher = hashing_thread() if n > size and not transient else None
         # With the hashing thread, read several blocks per piece (fewer hand-offs).
         span = size * (_BLOCKS_PER_PIECE if hasher else 1)
         pos = 0
@@ -245,7 +249,7 @@ class ItemBytes:
                 end % size == 0 or end == self.length,
             )
             if hasher is None:
-                self._add_checked(at, piece, job())
+                self._add_checked(at, piece, job(), transient)
             else:
                 self._hashing.append((at, piece, hasher.submit(job)))
             pos += step
@@ -270,10 +274,12 @@ class ItemBytes:
             return None
         return self._tail[end - tail_at : stop - tail_at]
 
-    def _add_checked(self, at: int, piece: memoryview, checks: _PieceChecks) -> None:
+    def _add_checked(
+        self, at: int, piece: memoryview, checks: _PieceChecks, transient: bool = False
+    ) -> None:
         assert self.verifier is not None
         values, covered = checks
-        self.verifier.add(at, piece, values)
+        self.verifier.add(at, piece, values, transient)
         self.verifier.covered.update(covered)
 
     def describe(self) -> str:

@@ -138,65 +138,79 @@ class DataFileEntry:
         return {it.offset: it for it in self.items}
 
 
+class BlockHasher:
+    """The CRC32C of each ``block_bytes`` block of one item, fed in pieces of any size.
+
+    The state of the current block is kept inline: most pieces (zip headers, small
+    tensors) fall within one block and cost one CRC32C call.
+    """
+
+    __slots__ = ("block_bytes", "blocks", "crc", "filled")
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.blocks: list[int] = []
+        self.crc = 0
+        self.filled = 0
+
+    def feed(self, data: Any, size: int) -> None:
+        """Add ``data`` (``size`` bytes) to the item."""
+        if self.filled + size < self.block_bytes:
+            self.crc = _crc32c.crc32c(data, self.crc)
+            self.filled += size
+            return
+        view = memoryview(data).cast("B")
+        pos = 0
+        while pos < size:
+            take = min(self.block_bytes - self.filled, size - pos)
+            self.crc = _crc32c.crc32c(view[pos : pos + take], self.crc)
+            self.filled += take
+            pos += take
+            if self.filled == self.block_bytes:
+                self.blocks.append(self.crc)
+                self.crc = 0
+                self.filled = 0
+
+    def finish(self) -> list[int]:
+        """The item's block checksums (one, of nothing, for an empty item)."""
+        if self.filled or not self.blocks:
+            self.blocks.append(self.crc)
+        return self.blocks
+
+
 class ChecksumStream:
     """A write stream that checksums every item written through it.
 
     Call :meth:`begin_item` before an item's bytes and :meth:`end_item` after them;
     everything else (``tell``, ``flush``, ``fileno``...) goes to the wrapped stream.
-    The state of the current block is kept inline: most writes (zip headers, small
-    tensors) fall within one block and cost one CRC32C call.
     """
 
     def __init__(self, stream: BinaryIO, block_bytes: int) -> None:
         self._stream = stream
         self._block_bytes = block_bytes  # <= 0: pass bytes through, record nothing
-        self._active = False
-        self._blocks: list[int] = []
-        self._crc = 0
-        self._filled = 0
+        self._hasher: BlockHasher | None = None
         self._position = 0
         self._item_start = 0
 
     def begin_item(self) -> None:
-        self._active = self._block_bytes > 0
-        self._blocks = []
-        self._crc = 0
-        self._filled = 0
+        self._hasher = BlockHasher(self._block_bytes) if self._block_bytes > 0 else None
         self._item_start = self._position
 
     def end_item(self) -> ItemChecksum | None:
-        if not self._active:
+        hasher, self._hasher = self._hasher, None
+        if hasher is None:
             return None
-        if self._filled or not self._blocks:
-            self._blocks.append(self._crc)
-        self._active = False
-        return ItemChecksum(self._item_start, self._position - self._item_start, self._blocks)
+        return ItemChecksum(self._item_start, self._position - self._item_start, hasher.finish())
 
     def write(self, data: Any) -> int:
         n = self._stream.write(data)
         size = data.nbytes if isinstance(data, memoryview) else len(data)
         if n is not None and n != size:  # buffered writers write all or raise
             raise OSError(f"short write: {n} of {size} bytes")
-        if self._active:
-            if self._filled + size < self._block_bytes:
-                self._crc = _crc32c.crc32c(data, self._crc)
-                self._filled += size
-            else:
-                self._feed_blocks(memoryview(data).cast("B"))
+        if self._hasher is not None:
+            self._hasher.feed(data, size)
         self._position += size
         return size
-
-    def _feed_blocks(self, view: memoryview) -> None:
-        pos, n = 0, len(view)
-        while pos < n:
-            take = min(self._block_bytes - self._filled, n - pos)
-            self._crc = _crc32c.crc32c(view[pos : pos + take], self._crc)
-            self._filled += take
-            pos += take
-            if self._filled == self._block_bytes:
-                self._blocks.append(self._crc)
-                self._crc = 0
-                self._filled = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -217,44 +231,58 @@ class BlockVerifier:
     """Checks the blocks of one item that a reader touched.
 
     ``add(offset, view)`` records bytes read at ``offset`` of the item (the view must
-    stay valid until :meth:`finish`); ``finish(fetch)`` checks every touched block,
-    calling ``fetch(offset, n)`` for bytes of a touched block nobody read.
+    stay valid until :meth:`finish`, unless added ``transient``); ``finish(fetch)``
+    checks every touched block, calling ``fetch(offset, n)`` for bytes of a touched
+    block nobody read.
     """
 
     checksum: ItemChecksum
     block_bytes: int
+    # Bytes kept for the blocks not covered yet (views of what was read, or copies).
     pieces: list[tuple[int, memoryview]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) read
     # CRCs of the blocks a piece covered whole, computed when it was added (while its
     # bytes were still in the CPU's cache: a reader adds a large read block by block).
     covered: dict[int, int] = field(default_factory=dict)
 
-    def add(self, offset: int, data: Any, values: list[int] | None = None) -> None:
+    def add(
+        self, offset: int, data: Any, values: list[int] | None = None, transient: bool = False
+    ) -> None:
         """Record ``data`` read at item offset ``offset``. ``values``: the
         :func:`block_crcs` of ``data``, if already computed (used when ``offset`` is at
-        a block start; a last value that is not a whole block is not used)."""
+        a block start; a last value that is not a whole block is not used).
+        ``transient``: ``data`` is reused once this returns (a staging buffer): the
+        bytes of its blocks not covered whole are copied."""
         view = memoryview(data).cast("B")
         if not len(view):
             return
-        self.pieces.append((offset, view))
+        self.spans.append((offset, len(view)))
         size, length = self.block_bytes, self.checksum.length
+        end = offset + len(view)
         if values is not None and offset % size == 0:
-            first, end = offset // size, offset + len(view)
+            first = offset // size
             for i, value in enumerate(values):
                 if min(offset + (i + 1) * size, length) <= end:  # a whole block
                     self.covered[first + i] = value
+        else:
+            b = -(-offset // size)  # the first block starting inside the piece
+            while b * size < end and min((b + 1) * size, length) <= end:
+                start = b * size - offset
+                self.covered[b] = crc(view[start : start + min(size, length - b * size)])
+                b += 1
+        if not transient:
+            self.pieces.append((offset, view))
             return
-        b = -(-offset // size)  # the first block starting inside the piece
-        end = offset + len(view)
-        while b * size < end and min((b + 1) * size, length) <= end:
-            start = b * size - offset
-            self.covered[b] = crc(view[start : start + min(size, length - b * size)])
-            b += 1
+        for b in sorted({offset // size, (end - 1) // size}):  # the partial blocks at its ends
+            if b not in self.covered:
+                lo, hi = max(b * size, offset), min((b + 1) * size, end)
+                self.pieces.append((lo, memoryview(bytes(view[lo - offset : hi - offset]))))
 
     def touched_blocks(self) -> list[int]:
         touched: set[int] = set()
-        for offset, view in self.pieces:
+        for offset, n in self.spans:
             first = offset // self.block_bytes
-            last = (offset + len(view) - 1) // self.block_bytes
+            last = (offset + n - 1) // self.block_bytes
             touched.update(range(first, last + 1))
         return sorted(touched)
 
@@ -288,6 +316,7 @@ class BlockVerifier:
             if value != self.checksum.blocks[b]:
                 raise ChecksumMismatch(start, self.checksum.blocks[b], value)
         self.pieces.clear()
+        self.spans.clear()
         self.covered.clear()
 
 
@@ -320,6 +349,7 @@ def _crc_of_range(
 
 __all__ = [
     "ALGORITHM",
+    "BlockHasher",
     "BlockVerifier",
     "ChecksumMismatch",
     "ChecksumStream",

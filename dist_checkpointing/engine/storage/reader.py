@@ -388,7 +388,9 @@ def _copy_region(
         pool = None if target.is_cpu else shared_pool()
         if pool is not None and target.dtype == rec.dtype and target.is_contiguous():
             # An accelerator target: through the staging pool, a buffer at a time.
-            fill_from_host(target, lambda at, host: item.read_into_tensor(start + at, host), pool)
+            fill_from_host(
+                target, lambda at, host: item.read_into_tensor(start + at, host, True), pool
+            )
             return
         staging = torch.empty(lengths, dtype=rec.dtype)
         item.read_into_tensor(start, staging)
