@@ -178,10 +178,10 @@ def main() -> None:
     parser.add_argument("--no-touch", dest="touch", action="store_false")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend)
     if args.device == "cuda":
-        torch.cuda.set_device(rank())
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # The benchmark's own reductions are of CPU tensors: gloo for those, NCCL for CUDA.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo")
     root = tempfile.mkdtemp(prefix="bench_memory_", dir=args.dir) if rank() == 0 else ""
     holder = [root]
     dist.broadcast_object_list(holder)

@@ -122,8 +122,14 @@ _PRELOAD_PREFIXES = ("torch.distributed.checkpoint", "dist_checkpointing", "test
 
 
 def cuda_device_count() -> int:
-    """Number of usable CUDA devices (0 on CPU-only builds)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """Number of usable CUDA devices (0 on CPU-only builds).
+
+    Counted through NVML where torch can (``torch.cuda.device_count``), never through
+    ``torch.cuda.is_available``: that one initializes the CUDA runtime, after which
+    torch refuses CUDA in every forked child, and the harness's forkserver imports this
+    module before it forks the ranks.
+    """
+    return torch.cuda.device_count()
 
 
 requires_cuda = pytest.mark.skipif(cuda_device_count() == 0, reason="needs a CUDA device")
