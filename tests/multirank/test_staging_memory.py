@@ -42,8 +42,9 @@ def _mismatches(ckpt: Path, expected: dict[str, torch.Tensor], device: str = "cp
     return [k for k, t in expected.items() if not torch.equal(loaded[k].cpu(), t.cpu())]
 
 
-def _rank_persistent_reuse(root: Path, device: str) -> dict[str, Any]:
+def _rank_persistent_reuse(root: Path, device: str, layout: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    strategy = dc.get_default_save_sharded_strategy(layout, 1)
     queue = AsyncCallsQueue(persistent=True)
     local = _state(rank, 0, device)
     expected = []
@@ -52,7 +53,7 @@ def _rank_persistent_reuse(root: Path, device: str) -> dict[str, Any]:
         if rank == 0:
             ckpt.mkdir()
         dist.barrier()
-        request = dc.save(_sharded(local, rank, world), ckpt, async_sharded_save=True)
+        request = dc.save(_sharded(local, rank, world), ckpt, strategy, async_sharded_save=True)
         assert isinstance(request, AsyncRequest)
         queue.schedule_async_request(request)
         expected.append({k: t.detach().cpu().clone() for k, t in local.items()})
@@ -73,8 +74,9 @@ def _rank_persistent_reuse(root: Path, device: str) -> dict[str, Any]:
     return out
 
 
-def test_the_persistent_caller_reuses_one_snapshot_segment(tmp_path: Path) -> None:
-    results = run_distributed(_rank_persistent_reuse, 2, tmp_path, "cpu", timeout=180.0)
+@pytest.mark.parametrize("layout", ["torch_dist", "raw_bytes"])
+def test_the_persistent_caller_reuses_one_snapshot_segment(tmp_path: Path, layout: str) -> None:
+    results = run_distributed(_rank_persistent_reuse, 2, tmp_path, "cpu", layout, timeout=180.0)
     for res in results:
         assert res["mismatches"] == [[], [], []]  # each checkpoint: the state at save time
         assert res["stats"] == {"allocated": 1, "reused": 2}
@@ -85,8 +87,11 @@ def test_the_persistent_caller_reuses_one_snapshot_segment(tmp_path: Path) -> No
 
 
 @pytest.mark.gpu
-def test_persistent_saves_of_cuda_state_stage_into_pinned_segments(tmp_path: Path) -> None:
-    results = run_distributed(_rank_persistent_reuse, 1, tmp_path, "cuda", timeout=180.0)
+@pytest.mark.parametrize("layout", ["torch_dist", "raw_bytes"])
+def test_persistent_saves_of_cuda_state_stage_into_pinned_segments(
+    tmp_path: Path, layout: str
+) -> None:
+    results = run_distributed(_rank_persistent_reuse, 1, tmp_path, "cuda", layout, timeout=180.0)
     res = results[0]
     assert res["mismatches"] == [[], [], []]
     assert res["stats"] == {"allocated": 1, "reused": 2} and res["pinned"] == [True]

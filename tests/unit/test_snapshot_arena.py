@@ -16,7 +16,11 @@ from dist_checkpointing.engine.async_save.snapshot import (
     mapped_segments,
 )
 from dist_checkpointing.engine.storage.resolve import filesystem_for
-from dist_checkpointing.engine.storage.write_workers import WriteBucket, write_bucket_file
+from dist_checkpointing.engine.storage.write_workers import (
+    StageBuckets,
+    WriteBucket,
+    write_bucket_file,
+)
 
 
 def _bucket(path: str, tensors: dict[str, torch.Tensor]) -> WriteBucket:
@@ -39,7 +43,7 @@ def test_staged_tensors_are_snapshots_in_one_segment() -> None:
     arena = SnapshotArena(pinned=False)
     state = _state()
     bucket = _bucket("/x/f", state)
-    key = arena.stage([bucket], copy_cpu=True)
+    key = arena.stage(StageBuckets([bucket]), copy_cpu=True)
     assert key is not None and len(arena.segments) == 1
     for (_, staged), (name, original) in zip(bucket.tensor_items, state.items()):
         assert arena.locate(staged) is not None, name
@@ -53,23 +57,25 @@ def test_cpu_tensors_are_left_alone_without_copy_cpu() -> None:
     arena = SnapshotArena(pinned=False)
     state = _state()
     bucket = _bucket("/x/f", state)
-    assert arena.stage([bucket], copy_cpu=False) is None
+    assert arena.stage(StageBuckets([bucket]), copy_cpu=False) is None
     assert all(t is state[k] for (_, t), k in zip(bucket.tensor_items, state))
     assert not arena.segments
 
 
 def test_a_released_segment_is_reused_and_a_busy_one_is_not() -> None:
     arena = SnapshotArena(pinned=False)
-    first = arena.stage([_bucket("/x/f", _state())], copy_cpu=True)
-    second = arena.stage([_bucket("/x/f", _state())], copy_cpu=True)  # first still busy
+    first = arena.stage(StageBuckets([_bucket("/x/f", _state())]), copy_cpu=True)
+    second = arena.stage(
+        StageBuckets([_bucket("/x/f", _state())]), copy_cpu=True
+    )  # first still busy
     assert first != second and arena.stats["allocated"] == 2
     arena.release(first)
     arena.release(second)
     for _ in range(3):
-        arena.release(arena.stage([_bucket("/x/f", _state())], copy_cpu=True))
+        arena.release(arena.stage(StageBuckets([_bucket("/x/f", _state())]), copy_cpu=True))
     assert arena.stats["allocated"] == 2 and arena.stats["reused"] == 3
     bigger = {"big": torch.zeros(10_000)}
-    arena.stage([_bucket("/x/f", bigger)], copy_cpu=True)  # no free one fits: both go
+    arena.stage(StageBuckets([_bucket("/x/f", bigger)]), copy_cpu=True)  # no free one fits: both go
     assert arena.stats["allocated"] == 3 and len(arena.segments) == 1
     assert set(arena.retired) == {first, second}
     arena.close()
@@ -81,7 +87,7 @@ def test_a_request_carries_each_segment_once() -> None:
     sizes = []
     for scale in (1.0, 2.0, 3.0):
         bucket = _bucket("/x/f", _state(scale))
-        key = arena.stage([bucket], copy_cpu=True)
+        key = arena.stage(StageBuckets([bucket]), copy_cpu=True)
         payload, delivered = ArenaPickler.request_bytes(("fn", [bucket]), arena, sent, True)
         delivered()
         assert key in sent
@@ -110,7 +116,7 @@ def test_a_staged_bucket_is_written_with_only_its_own_bytes(tmp_path: Path) -> N
     staged = _bucket(str(tmp_path / "staged"), dict(state))
     plain = _bucket(str(tmp_path / "plain"), {k: v.clone() for k, v in state.items()})
     arena = SnapshotArena(pinned=False)
-    arena.stage([staged], copy_cpu=True)
+    arena.stage(StageBuckets([staged]), copy_cpu=True)
     fs = filesystem_for(str(tmp_path))
     write_bucket_file(staged, fs, sync_files=False)
     write_bucket_file(plain, fs, sync_files=False)

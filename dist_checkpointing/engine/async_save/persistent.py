@@ -28,7 +28,7 @@ import torch.multiprocessing  # noqa: F401  (importing it registers the shared-m
 
 from .. import knobs
 from ..process import describe_exit, format_current_exception
-from ..storage.write_workers import StageBuckets
+from ..storage.host_staging import StagingStep
 from .agreement import _CallStatus, _global_rank, _State
 from .caller import AsyncCaller
 from .request import AsyncRequest
@@ -59,7 +59,7 @@ class PersistentAsyncCaller(AsyncCaller):
       importable module (no lambda, no local function, nothing defined in
       ``__main__``); otherwise the request fails at finalization.
     - The tensors a save writes (its staging step is a
-      :class:`~dist_checkpointing.engine.storage.write_workers.StageBuckets`) are
+      :class:`~dist_checkpointing.engine.storage.host_staging.StagingStep`) are
       copied, when the request is scheduled, into the caller's
       :class:`~.snapshot.SnapshotArena`: shared memory (pinned when CUDA is
       available) that is reused by later saves and that the worker maps once.
@@ -168,13 +168,12 @@ class PersistentAsyncCaller(AsyncCaller):
         )
 
     def _stage(self, ticket: int, async_req: AsyncRequest) -> tuple[Any, ...]:
-        """Run the request's staging step: a save's buckets go into the arena."""
+        """Run the request's staging step: a save's tensors go into the arena."""
         stage = async_req.preload_fn
-        if not isinstance(stage, StageBuckets) or len(async_req.async_fn_args) < 2:
+        if not isinstance(stage, StagingStep):
             return async_req.staged_args()
-        self._leases[ticket] = self.arena.stage(stage.buckets, self.snapshot_cpu_tensors)
-        args = async_req.async_fn_args
-        return (args[0], stage.buckets, *args[2:])
+        self._leases[ticket] = self.arena.stage(stage, self.snapshot_cpu_tensors)
+        return async_req.staged_args(stage.result())
 
     def _fail(self, ticket: int, call_idx: int, error: str) -> None:
         logger.error("rank %d: async call %d failed: %s", _global_rank(), call_idx, error)

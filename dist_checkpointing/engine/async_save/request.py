@@ -39,6 +39,8 @@ from .agreement import _CallStatus, _raise_on_failure, _run_finalize_fns, _settl
 
 logger = logging.getLogger(__name__)
 
+_RUN_PRELOAD: Any = object()  # staged_args: no staged value given, run preload_fn
+
 
 @dataclass(frozen=True, eq=False)
 class AsyncRequest:
@@ -124,16 +126,18 @@ class AsyncRequest:
         """Return a frozen copy of this request (with its own finalize list)."""
         return dataclasses.replace(self, is_frozen=True, finalize_fns=list(self.finalize_fns))
 
-    def staged_args(self) -> tuple[Any, ...]:
+    def staged_args(self, staged: Any = _RUN_PRELOAD) -> tuple[Any, ...]:
         """Run ``preload_fn`` (in this process) and return ``async_fn``'s arguments.
 
         A value returned by ``preload_fn`` replaces ``async_fn_args[1]`` (the staged
-        data); None keeps the arguments as they are.
+        data); None keeps the arguments as they are. A caller that staged the request
+        itself passes what ``preload_fn`` would have returned as ``staged``.
         """
         args = self.async_fn_args
-        if self.preload_fn is None:
-            return args
-        staged = self.preload_fn()
+        if staged is _RUN_PRELOAD:
+            if self.preload_fn is None:
+                return args
+            staged = self.preload_fn()
         if staged is None:
             return args
         if len(args) < 2:

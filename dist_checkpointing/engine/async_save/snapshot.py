@@ -13,7 +13,7 @@ the segments. Nothing is allocated or copied into fresh shared memory per save.
 Memory: the segments hold one snapshot (the bytes staged, rounded up to 64 bytes per
 tensor) per save in flight; a save of the same or a smaller size reuses a free one.
 
-Call sequence (the caller's process): ``lease = arena.stage(buckets, copy_cpu)`` when a
+Call sequence (the caller's process): ``lease = arena.stage(step, copy_cpu)`` when a
 request is scheduled (returns once every copy is complete); pickle the request with
 :class:`ArenaPickler`; ``arena.release(lease)`` once every rank finished the call;
 ``arena.close()`` at the end.
@@ -33,8 +33,8 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ..._torch_compat import new_shared_tensor_like
+from ..storage.host_staging import StagingStep, TensorSlot, stage_slots
 from ..storage.staging_pool import pinning_available
-from ..storage.write_workers import WriteBucket
 
 logger = logging.getLogger(__name__)
 
@@ -115,30 +115,33 @@ class SnapshotArena:
             _unpin(segment.data)
         self.retired.append(segment.key)
 
-    def stage(self, buckets: list[WriteBucket], copy_cpu: bool) -> str | None:
-        """Copy the tensors of ``buckets`` into one segment and put the copies in their
-        place; return the segment's key (the lease; None if nothing was copied).
+    def stage(self, step: StagingStep, copy_cpu: bool) -> str | None:
+        """Copy the tensors of ``step``'s slots into one segment and put the copies in
+        their place; return the segment's key (the lease; None if nothing was copied).
 
-        Accelerator tensors are always copied; CPU tensors only with ``copy_cpu``.
-        Returns once every copy is complete.
+        Accelerator tensors and the slots' ``required`` ones are always copied; other
+        CPU tensors only with ``copy_cpu``. Tensors of another layout than strided (none
+        in practice) are staged by the step's own copier. Returns once every copy is
+        complete.
         """
-        picks = [
-            (bucket, i)
-            for bucket in buckets
-            for i, (_, t) in enumerate(bucket.tensor_items)
-            if (not t.is_cpu or copy_cpu) and t.layout == torch.strided
-        ]
+        picks: list[tuple[TensorSlot, torch.Tensor]] = []
+        rest: list[tuple[TensorSlot, torch.Tensor]] = []
+        for slot in step.slots():
+            t = slot.get()
+            if t.is_cpu and not copy_cpu and not slot.required:
+                continue
+            (picks if t.layout == torch.strided else rest).append((slot, t))
+        stage_slots([slot for slot, _ in rest])
         if not picks:
             return None
-        sizes = [_aligned(b.tensor_items[i][1].nbytes) for b, i in picks]
+        sizes = [_aligned(t.nbytes) for _, t in picks]
         segment = self._take(sum(sizes))
         streams: dict[torch.device, Any] = {}
         offset = 0
-        for (bucket, i), size in zip(picks, sizes):
-            item, t = bucket.tensor_items[i]
+        for (slot, t), size in zip(picks, sizes):
             view = segment.data[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
             _copy(view, t, streams)
-            bucket.tensor_items[i] = (item, view)
+            slot.put(view)
             offset += size
         for stream in streams.values():
             stream.synchronize()

@@ -6,8 +6,9 @@ failure on every rank):
 1. :func:`read_index`: ``.raw_index`` read through the checkpoint handle (checked
    against the commit record), parsed once per handle;
 2. :func:`load_leaves`: plan every requested leaf (:mod:`.load_plan`), read
-   (:mod:`.reader`), run the copies, unpickle the objects with the caller's
-   restricted loader.
+   (:mod:`.reader`), run the copies, stream the whole entries that go to
+   accelerator tensors through the staging pool (:func:`fill_devices`), unpickle
+   the objects with the caller's restricted loader.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from ..storage.location import CheckpointDir
+from ..storage.staging_pool import fill_from_host, shared_pool
 from .index import INDEX_NAME, KIND_FLAT, KIND_OBJECT, RawIndex, parse_index
 from .load_plan import LoadPlanner, finish_objects
-from .reader import RawReader
+from .reader import RawReader, Read
+from .writer import buffer_of
 
 
 def read_index(ckpt: CheckpointDir) -> RawIndex:
@@ -44,7 +47,7 @@ def load_leaves(
     """Fill every leaf: tensors in place (``data`` allocated on the CPU if None),
     objects' ``data`` set to the unpickled payload."""
     index = read_index(ckpt)
-    planner = LoadPlanner(index)
+    planner = LoadPlanner(index, shared_pool())
     for sh in leaves:
         if isinstance(sh, ShardedTensor):
             if sh.data is None:
@@ -56,10 +59,30 @@ def load_leaves(
         elif isinstance(sh, ShardedObject):
             planner.add_object(sh)
     plan = planner.finish()
-    RawReader(ckpt, index, verifying(ckpt)).run(plan.reads)
+    reader = RawReader(ckpt, index, verifying(ckpt))
+    reader.run(plan.reads)
     for copy in plan.copies:
         copy()
+    fill_devices(reader, plan.device_fills)
     finish_objects(plan, load_object)
+
+
+def fill_devices(reader: RawReader, fills: list[tuple[int, torch.Tensor]]) -> None:
+    """Read whole entries into accelerator tensors through the staging pool: a chunk
+    (a pool buffer, whole checksum blocks) is read and verified, then copied to the
+    device while the next chunk is read. Host memory: the pool's budget."""
+    if not fills:
+        return
+    pool = shared_pool()
+    assert pool is not None  # the planner streams only when there is a pool
+    offsets = reader.index.columns["offset"]
+    for row, target in fills:
+
+        def read(at: int, host: torch.Tensor, row: int = row) -> None:
+            n = host.numel()
+            reader.run([Read(row, at, n, buffer_of(host), offsets[row] + at)])
+
+        fill_from_host(target, read, pool)
 
 
 def tensors_metadata(index: RawIndex) -> ShardedStateDict:

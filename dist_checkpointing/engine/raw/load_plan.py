@@ -33,6 +33,7 @@ import torch
 from ..._shard_geometry import box_intersection, box_slices, flat_range_rows
 from ...errors import CheckpointingException, CorruptCheckpointError, ShapeMismatchError
 from ...mapping import ShardedObject, ShardedTensor
+from ..storage.staging_pool import StagingPool
 from .index import DTYPES, ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
 from .reader import Read
 from .writer import buffer_of
@@ -47,6 +48,9 @@ class LoadPlan:
     reads: list[Read] = field(default_factory=list)
     copies: list[Callable[[], None]] = field(default_factory=list)
     objects: list[tuple[ShardedObject, bytearray]] = field(default_factory=list)
+    # Accelerator destinations of whole entries: (row, tensor), each streamed through
+    # the staging pool once the reads are done (:func:`.load.fill_devices`).
+    device_fills: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 def _host_view(
@@ -65,8 +69,12 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 class LoadPlanner:
     """Builds the :class:`LoadPlan` of one rank's request (see the module docstring)."""
 
-    def __init__(self, index: RawIndex) -> None:
+    def __init__(self, index: RawIndex, pool: StagingPool | None = None) -> None:
         self.index = index
+        # Accelerator destinations stream through ``pool`` where its buffers hold whole
+        # checksum blocks (each chunk is then read and verified on its own).
+        bb = index.block_bytes
+        self._pool = pool if pool is not None and pool.buffer_bytes % (bb or 1) == 0 else None
         c = index.columns
         self._offsets, self._length = c["offset"], c["length"]
         self._kind, self._ndim, self._dims_start = c["kind"], c["ndim"], c["dims_start"]
@@ -138,6 +146,9 @@ class LoadPlanner:
         length = self._length[row]
         if data.dtype == dtype and data.is_cpu and data.is_contiguous():
             dest = data
+        elif data.dtype == dtype and self._pool is not None and data.is_contiguous():
+            self.plan.device_fills.append((row, data))
+            return
         else:
             dest = torch.empty(data.shape, dtype=dtype)
             self.plan.copies.append(partial(_copy, data, dest))

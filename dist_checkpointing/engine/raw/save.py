@@ -4,8 +4,10 @@ Call sequence (every rank; "C" is the coordinator):
 
 1. :func:`save_request` (in ``save``): plan the rank's files and index piece
    (:func:`.writer.plan_rank`; no collective) and return the request;
-2. its ``preload_fn`` stages accelerator tensors to host memory (the blocking
-   part of an async save);
+2. its ``preload_fn`` (a :class:`.writer.StageRankWrite`) stages accelerator
+   tensors to host memory (the blocking part of an async save; the persistent
+   caller stages into its snapshot arena; a synchronous save stages nothing up
+   front and streams them through the staging pool while writing);
 3. its ``async_fn`` (:func:`write_and_report`) writes the rank's data files,
    in this process (sync save) or a background one (async save), and reports the
    item checksums (or the failure) through a results queue;
@@ -35,7 +37,7 @@ from ..storage.checksums import DataFileEntry
 from ..storage.location import CheckpointDir
 from ..storage.write_workers import FileResultsQueue
 from .index import INDEX_NAME, IndexPiece, merge_pieces
-from .writer import RankWrite, plan_rank, write_rank
+from .writer import RankWrite, StageRankWrite, plan_rank, write_rank
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +121,10 @@ def save_request(
     )
     results: Any = queue.SimpleQueue() if in_process else FileResultsQueue(group.rank)
     fin = functools.partial(finalize, ckpt, group, wr, piece, results)
-    return AsyncRequest(write_and_report, (wr, results), [fin], preload_fn=wr.stage)
+    # A synchronous save with a copy-ahead budget stages nothing up front: the writer
+    # streams accelerator tensors through the staging pool.
+    stage = StageRankWrite(wr, deferred=in_process and knobs.COPY_AHEAD_BYTES.get() > 0)
+    return AsyncRequest(write_and_report, (wr, results), [fin], preload_fn=stage)
 
 
 __all__ = ["ALIGNMENT", "finalize", "save_request", "write_and_report"]

@@ -17,7 +17,7 @@ import ctypes
 import io
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +26,13 @@ import numpy as np
 import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+from .. import knobs
 from ..storage.base import FileSystemIO
-from ..storage.checksums import block_crcs, crc
+from ..storage.checksums import BlockHasher, block_crcs, crc
+from ..storage.host_staging import StagingStep, TensorSlot
 from ..storage.names import safe_name
 from ..storage.resolve import filesystem_for
+from ..storage.staging_pool import Chunk, CopyAhead, byte_view, shared_pool
 from .index import (
     DATA_SUFFIX,
     DTYPE_NAMES,
@@ -65,17 +68,27 @@ class RankWrite:
     sync: bool = True
     sizes: list[int] = field(default_factory=list)
 
-    def stage(self) -> None:
-        """Copy accelerator (and non-contiguous) tensors to contiguous host memory
-        (the ``preload_fn`` of the request: works in place, returns None)."""
-        for file_items in self.items:
-            for i, (offset, length, data) in enumerate(file_items):
-                if isinstance(data, torch.Tensor) and not _host_ready(data):
-                    file_items[i] = (offset, length, data.to("cpu").contiguous())
 
+@dataclass(frozen=True)
+class StageRankWrite(StagingStep):
+    """The staging step of a ``raw_bytes`` save (its request's ``preload_fn``): the
+    slots are the tensors of ``write.items``; a non-contiguous one must be copied (the
+    writer writes raw memory). Works in place (the result is None).
 
-def _host_ready(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous()
+    With ``deferred`` (a synchronous save with a copy-ahead budget) it copies nothing:
+    :func:`write_rank` streams accelerator tensors through the staging pool.
+    """
+
+    write: RankWrite
+    deferred: bool = False
+
+    def slots(self) -> list[TensorSlot]:
+        return [
+            TensorSlot(file_items, i, 2, required=not data.is_contiguous())
+            for file_items in self.write.items
+            for i, (_, _, data) in enumerate(file_items)
+            if isinstance(data, torch.Tensor)
+        ]
 
 
 @dataclass
@@ -244,21 +257,25 @@ def _write_file(
         pos = 0
         batch: list[Any] = []
         batch_at = batch_bytes = 0
+        chunks = _device_chunks(items)
         for offset, size, data in items:
-            if size == 0:
-                buf: Any = b""
-            elif type(data) is bytes:
-                buf = data
-            else:  # a contiguous CPU tensor of ``size`` bytes (staged)
-                buf = (ctypes.c_char * size).from_address(data.data_ptr())
-            if fd is not None and size > _PIECE:  # large: checksum and write piece by piece
-                if batch or offset > pos:
+            on_device = size and isinstance(data, torch.Tensor) and data.device.type != "cpu"
+            if on_device or (fd is not None and size > _PIECE):
+                # Large or on a device: checksummed and written piece by piece.
+                if fd is None:
+                    stream.write(bytes(offset - pos))
+                elif batch or offset > pos:
                     batch.append(bytes(offset - pos))
                     _pwritev_all(fd, batch, batch_at if batch[:-1] else pos)
                     batch, batch_bytes = [], 0
-                _write_large(fd, buf, offset, block, crcs)
+                if fd is not None and not on_device:
+                    _write_large(fd, _host_buffer(data, size), offset, block, crcs)
+                else:
+                    assert chunks is not None
+                    _write_streamed(stream if fd is None else fd, chunks, offset, block, crcs)
                 pos = offset + size
                 continue
+            buf = _host_buffer(data, size)
             if block:  # checksummed as the bytes go out (one call for a small item)
                 if size <= block:
                     crcs.append(crc(buf))
@@ -287,8 +304,54 @@ def _write_file(
         if wr.sync:
             fs.fsync(stream)
     finally:
+        if chunks is not None:
+            chunks.close()  # an abandoned write gives its staging buffers back
         stream.close()
     return crcs
+
+
+def _host_buffer(data: Any, size: int) -> Any:
+    """The ``size`` bytes of ``data`` (bytes, or a contiguous CPU tensor) as a buffer."""
+    if size == 0:
+        return b""
+    if type(data) is bytes:
+        return data
+    return (ctypes.c_char * size).from_address(data.data_ptr())
+
+
+def _device_chunks(items: list[tuple[int, int, Any]]) -> Generator[Chunk, None, None] | None:
+    """The bytes of the file's accelerator tensors (a synchronous save stages nothing
+    up front), streamed through this process's staging pool: the copy of the next
+    chunk overlaps the write of this one; None when every item is on the host."""
+    sources = [
+        byte_view(data.contiguous())
+        for _, size, data in items
+        if size and isinstance(data, torch.Tensor) and data.device.type != "cpu"
+    ]
+    if not sources:
+        return None
+    pool = shared_pool() or shared_pool(buffer_bytes=knobs.STAGING_BUFFER_BYTES.get())
+    assert pool is not None
+    return iter(CopyAhead(pool, sources))
+
+
+def _write_streamed(
+    out: Any, chunks: Generator[Chunk, None, None], offset: int, block: int, crcs: list[int]
+) -> None:
+    """Write the next source of ``chunks`` at ``offset`` (``out``: a descriptor, or a
+    stream positioned there), checksumming each chunk as it goes out."""
+    hasher = BlockHasher(block) if block else None
+    for chunk in chunks:
+        if hasher is not None:
+            hasher.feed(chunk.view, len(chunk.view))
+        if isinstance(out, int):
+            _pwritev_all(out, [chunk.view], offset + chunk.offset)
+        else:
+            out.write(chunk.view)
+        if chunk.last:
+            break
+    if hasher is not None:
+        crcs += hasher.finish()
 
 
 def _write_large(fd: int, buf: Any, offset: int, block: int, crcs: list[int]) -> None:
@@ -363,6 +426,7 @@ def write_rank(wr: RankWrite) -> list[np.ndarray]:
 
 __all__ = [
     "RankWrite",
+    "StageRankWrite",
     "buffer_of",
     "data_file_name",
     "plan_rank",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,7 +241,7 @@ class CopyAhead:
             dst.copy_(src)
         return _InFlight(source, offset, length, buffer, event, last)
 
-    def __iter__(self) -> Iterator[Chunk]:
+    def __iter__(self) -> Generator[Chunk, None, None]:
         plan = self._plan()
         upcoming = next(plan, None)
         try:

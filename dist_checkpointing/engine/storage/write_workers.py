@@ -34,6 +34,7 @@ from ..._torch_compat import StorageInfo
 from ..process import child_context, describe_exit, gc_paused, in_caller, traceback_text
 from .base import FileSystemIO
 from .checksums import ChecksumStream, ItemChecksum
+from .host_staging import StagingStep, TensorSlot, stage_slots
 from .resolve import filesystem_for
 from .staging_pool import TensorItemWriter
 
@@ -75,46 +76,39 @@ class WriteOutcome:
 # --------------------------------------------------------------------------- staging
 
 
-def stage_buckets_to_host(buckets: list[WriteBucket]) -> list[WriteBucket]:
-    """Copy accelerator tensors of ``buckets`` to host memory, in place.
+def bucket_slots(buckets: list[WriteBucket]) -> list[TensorSlot]:
+    """Every tensor item of ``buckets`` (the writer takes host tensors as they are)."""
+    return [
+        TensorSlot(bucket.tensor_items, i, 1)
+        for bucket in buckets
+        for i in range(len(bucket.tensor_items))
+    ]
 
-    Copies go to pinned memory with ``non_blocking`` and each device is synchronized
-    once at the end. Returns ``buckets`` itself (the same list, now holding host
-    tensors), so a caller may either use the return value or ignore it.
-    """
-    devices: set[torch.device] = set()
-    for bucket in buckets:
-        for i, (item, t) in enumerate(bucket.tensor_items):
-            if t.device.type == "cpu":
-                continue
-            host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            bucket.tensor_items[i] = (item, host)
-            devices.add(t.device)
-    for device in devices:
-        torch.accelerator.synchronize(device)
+
+def stage_buckets_to_host(buckets: list[WriteBucket]) -> list[WriteBucket]:
+    """Copy the accelerator tensors of ``buckets`` to (pinned) host memory, in place
+    (:func:`~.host_staging.stage_slots`); returns ``buckets`` itself."""
+    stage_slots(bucket_slots(buckets))
     return buckets
 
 
 @dataclass(frozen=True)
-class StageBuckets:
-    """The staging step of a save (an ``AsyncRequest``'s ``preload_fn``; picklable).
+class StageBuckets(StagingStep):
+    """The staging step of a ``torch_dist`` save (an ``AsyncRequest``'s ``preload_fn``;
+    picklable): its slots are the tensor items of ``buckets``, its result ``buckets``.
 
-    Called, it copies the accelerator tensors of ``buckets`` to host memory
-    (:func:`stage_buckets_to_host`) and returns ``buckets``. With ``deferred`` (a
-    synchronous save with a copy-ahead budget) it does nothing: the writer threads
-    stream those tensors through the staging pool instead. An async caller that
-    keeps its own snapshot memory stages ``buckets`` itself
-    (:meth:`~dist_checkpointing.engine.async_save.snapshot.SnapshotArena.stage`).
+    With ``deferred`` (a synchronous save with a copy-ahead budget) it copies nothing:
+    the writer threads stream accelerator tensors through the staging pool instead.
     """
 
     buckets: list[WriteBucket]
     deferred: bool = False
 
-    def __call__(self) -> list[WriteBucket]:
-        if self.deferred:
-            return self.buckets
-        return stage_buckets_to_host(self.buckets)
+    def slots(self) -> list[TensorSlot]:
+        return bucket_slots(self.buckets)
+
+    def result(self) -> list[WriteBucket]:
+        return self.buckets
 
 
 # --------------------------------------------------------------------------- writing
@@ -451,6 +445,7 @@ __all__ = [
     "StageBuckets",
     "WriteBucket",
     "WriteOutcome",
+    "bucket_slots",
     "stage_buckets_to_host",
     "write_bucket_file",
     "write_buckets_multiproc",
