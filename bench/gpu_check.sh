@@ -28,5 +28,10 @@ timeout 170 python3 -m pytest -q -ra -p no:cacheprovider -m gpu \
 timeout 150 torchrun --standalone --nproc_per_node="$GPUS" bench/gpu_staging.py \
     --size-mib "$SIZE" --repeats 2 --saves 3 2>&1 | tee "$OUT/gpu_staging.log"
 
+# Scaling: four times the state, the persistent caller only (blocked time against the copy).
+timeout 150 torchrun --standalone --nproc_per_node="$GPUS" bench/gpu_staging.py \
+    --size-mib $((4 * SIZE)) --repeats 1 --saves 3 --callers persistent \
+    2>&1 | tee "$OUT/gpu_staging_4x.log"
+
 timeout 80 torchrun --standalone --nproc_per_node="$GPUS" bench/memory.py --device cuda \
     --size-mib "$SIZE" 2>&1 | tee "$OUT/memory_cuda.log"
