@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -189,6 +191,37 @@ def evict(directory: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def fresh_dir(root: str, name: str) -> str:
+    """``root/name``, emptied by rank 0; every rank returns once it exists."""
+    path = os.path.join(root, name)
+    if rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def drop_dir(path: str) -> None:
+    """Remove ``path`` (rank 0) once every rank is done with it."""
+    if dist.is_initialized():
+        dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def bench_root(name: str, parent: str | None = None) -> Iterator[str]:
+    """A fresh ``parent/name`` (default parent: the temp dir) for one benchmark run;
+    at the end, once every rank is done, it is removed and the process group destroyed."""
+    root = fresh_dir(parent or tempfile.gettempdir(), name)
+    try:
+        yield root
+    finally:
+        drop_dir(root)
+        dist.destroy_process_group()
 
 
 def fmt_gbps(nbytes: int, seconds: float) -> str:

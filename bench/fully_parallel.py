@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import fmt_gbps, fmt_mib, log, measured, rank, world
+from common import bench_root, fmt_gbps, fmt_mib, fresh_dir, log, measured, rank, world
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -107,21 +105,10 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    root = os.path.join(args.dir or tempfile.gettempdir(), "dist_ckpt_bench_fp")
-    if rank() == 0:
-        shutil.rmtree(root, ignore_errors=True)
-        os.makedirs(os.path.join(root, "plain"))
-        os.makedirs(os.path.join(root, "fully_parallel"))
-    dist.barrier()
     log(f"replicated state of {args.size_mib} MiB on {world()} ranks, exchange={args.exchange}")
-    try:
+    with bench_root("dist_ckpt_bench_fp", args.dir) as root:
         for method in ("plain", "fully_parallel"):
-            run(method, args, os.path.join(root, method))
-    finally:
-        dist.barrier()
-        if rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
-        dist.destroy_process_group()
+            run(method, args, fresh_dir(root, method))
 
 
 if __name__ == "__main__":

@@ -26,15 +26,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from common import fmt_gbps, fmt_mib, log, measured, rank, raw_blob, raw_write, world
+from common import (
+    bench_root,
+    drop_dir,
+    fmt_gbps,
+    fmt_mib,
+    fresh_dir,
+    log,
+    measured,
+    rank,
+    raw_blob,
+    raw_write,
+    world,
+)
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -110,31 +120,16 @@ def copy_baselines(local: dict[str, torch.Tensor], repeats: int) -> dict[str, fl
     return out
 
 
-def new_dir(root: str, name: str) -> str:
-    path = os.path.join(root, name)
-    if rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-    dist.barrier()
-    return path
-
-
-def remove_dir(path: str) -> None:
-    dist.barrier()
-    if rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def raw_baseline(local: dict[str, torch.Tensor], root: str, repeats: int) -> float:
     blob = raw_blob([t.cpu() for t in local.values()])
     out = []
     for i in range(repeats + 1):
-        path = new_dir(root, f"raw{i}")
+        path = fresh_dir(root, f"raw{i}")
         dist.barrier()
         start = time.perf_counter()
         raw_write(path, blob, 2)
         out.append(slowest(time.perf_counter() - start))
-        remove_dir(path)
+        drop_dir(path)
     return statistics.median(out[1:])
 
 
@@ -158,12 +153,12 @@ def sync_save(local: dict[str, torch.Tensor], root: str, layout: str, repeats: i
     strategy = dc.get_default_save_sharded_strategy(layout, 1)
     saves, loads, cpu_loads, peak = [], [], [], 0
     for i in range(repeats + 1):
-        path = new_dir(root, f"sync_{layout}{i}")
+        path = fresh_dir(root, f"sync_{layout}{i}")
         with measured() as m:
             dc.save(sharded(local), path, strategy)
         loads.append(check(local, path))
         cpu_loads.append(check(local, path, "cpu"))
-        remove_dir(path)
+        drop_dir(path)
         if i:
             saves.append(m[0].seconds)
             peak = max(peak, m[0].peak_rss)
@@ -186,7 +181,7 @@ def async_saves(
     expected: dict[str, torch.Tensor] = {}
     try:
         for i in range(saves):
-            path = new_dir(root, f"async_{layout}_{persistent}{i}")
+            path = fresh_dir(root, f"async_{layout}_{persistent}{i}")
             paths.append(path)
             expected = {k: t.clone() for k, t in local.items()}
             torch.cuda.synchronize()
@@ -205,7 +200,7 @@ def async_saves(
     finally:
         queue.close()
         for path in paths:
-            remove_dir(path)
+            drop_dir(path)
     return {"blocked": blocked, "background": background, "load": load_s}
 
 
@@ -222,11 +217,7 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("cpu:gloo,cuda:nccl")
-    root = os.path.join(args.dir or tempfile.gettempdir(), "dist_ckpt_gpu_bench")
-    if rank() == 0:
-        shutil.rmtree(root, ignore_errors=True)
-        os.makedirs(root)
-    try:
+    with bench_root("dist_ckpt_gpu_bench", args.dir) as root:
         local = make_state(args.size_mib, args.tensors, torch.device("cuda", local_rank))
         nbytes = world() * sum(t.numel() * t.element_size() for t in local.values())
         log(
@@ -259,11 +250,6 @@ def main() -> None:
                     + ", ".join(f"{b:.2f}" for b in a["background"])
                     + " s; last checkpoint byte-exact"
                 )
-    finally:
-        dist.barrier()
-        if rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from functools import partial
 
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import (
     Measurement,
+    bench_root,
     evict,
     fmt_mib,
     log,
@@ -238,20 +238,9 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world(),))
-    root = args.dir or tempfile.gettempdir()
-    root = os.path.join(root, "dist_ckpt_bench")
-    if rank() == 0:
-        shutil.rmtree(root, ignore_errors=True)
-        os.makedirs(root)
-    dist.barrier()
-    try:
+    with bench_root("dist_ckpt_bench", args.dir) as root:
         for name in args.cases.split(","):
             run_case(name, args, root, mesh)
-    finally:
-        dist.barrier()
-        if rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import evict, measured, rank, world
+from common import drop_dir, evict, fresh_dir, measured, rank, world
 from table_methods import Method, Raw, by_name
 
 KIB = 1024
@@ -63,21 +63,6 @@ def check(local: dict[str, torch.Tensor], method: str) -> None:
 
 def count_files(path: str) -> int:
     return sum(len(names) for _, _, names in os.walk(path))
-
-
-def fresh_dir(root: str, name: str) -> str:
-    path = os.path.join(root, name)
-    if rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-    dist.barrier()
-    return path
-
-
-def drop_dir(path: str) -> None:
-    dist.barrier()
-    if rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def time_plans(method: Method, local: dict[str, torch.Tensor], root: str) -> list[float]:

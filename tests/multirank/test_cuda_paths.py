@@ -8,6 +8,7 @@ independently on the CPU (``reference_tensor``), under another sharding than the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,42 +72,37 @@ def _save_then_load_resharded(ckpt: str, layout: str) -> list[str]:
     return _mismatches(dc.load(_state(axis=1, fill=float("nan")), ckpt), axis=1)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_cuda_state_saves_and_loads_resharded_into_cuda_targets(
-    tmp_path: Path, layout: str
-) -> None:
-    results = run_distributed(
-        _save_then_load_resharded, 2, str(tmp_path), layout, timeout=TIMEOUT_S
-    )
-    assert results == [[], []]
+def _save_with_small_staging_buffers(ckpt: str, layout: str) -> None:
+    """Save under staging buffers of 1 MiB (2 at most): the 3 MiB item of each rank goes
+    out, and comes back into a CUDA target, in several chunks."""
+    os.environ["DIST_CKPT_STAGING_BUFFER_BYTES"] = str(1 << 20)
+    os.environ["DIST_CKPT_COPY_AHEAD_BYTES"] = str(2 << 20)
+    dc.save(_state(axis=0), ckpt, dc.get_default_save_sharded_strategy(layout, 1))
 
 
 def _save_then_load_in_pieces(ckpt: str, layout: str) -> list[str]:
     """The same layout (whole stored items into CUDA targets), through staging buffers
-    smaller than an item: each item arrives in several chunks."""
-    os.environ["DIST_CKPT_STAGING_BUFFER_BYTES"] = str(1 << 20)
-    os.environ["DIST_CKPT_COPY_AHEAD_BYTES"] = str(2 << 20)
-    strategy = dc.get_default_save_sharded_strategy(layout, 1)
-    dc.save(_state(axis=0), ckpt, strategy)
+    smaller than an item."""
+    _save_with_small_staging_buffers(ckpt, layout)
     return _mismatches(dc.load(_state(axis=0, fill=float("nan")), ckpt), axis=0)
 
 
+@pytest.mark.parametrize(
+    "round_trip",
+    [_save_then_load_resharded, _save_then_load_in_pieces],
+    ids=["resharded", "in_staging_pieces"],
+)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_items_larger_than_a_staging_buffer_round_trip_through_it(
-    tmp_path: Path, layout: str
+def test_cuda_state_round_trips_into_cuda_targets(
+    tmp_path: Path, layout: str, round_trip: Callable[[str, str], list[str]]
 ) -> None:
-    results = run_distributed(
-        _save_then_load_in_pieces, 2, str(tmp_path), layout, timeout=TIMEOUT_S
-    )
-    assert results == [[], []]
+    assert run_distributed(round_trip, 2, str(tmp_path), layout, timeout=TIMEOUT_S) == [[], []]
 
 
 def _damaged_then_load_in_pieces(ckpt: str, layout: str) -> str:
     """A byte flipped in the middle of the largest data file: the load into CUDA
     targets, chunk by chunk through the staging buffers, must refuse it."""
-    os.environ["DIST_CKPT_STAGING_BUFFER_BYTES"] = str(1 << 20)
-    os.environ["DIST_CKPT_COPY_AHEAD_BYTES"] = str(2 << 20)
-    dc.save(_state(axis=0), ckpt, dc.get_default_save_sharded_strategy(layout, 1))
+    _save_with_small_staging_buffers(ckpt, layout)
     if dist.get_rank() == 0:
         data = max(Path(ckpt).glob("__*"), key=lambda p: p.stat().st_size)
         raw = bytearray(data.read_bytes())

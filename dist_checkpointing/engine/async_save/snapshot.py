@@ -33,7 +33,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ..._torch_compat import new_shared_tensor_like
-from ..storage.host_staging import StagingStep, TensorSlot, stage_slots
+from ..storage.host_staging import StagingStep, TensorSlot, copy_to_host, stage_slots
 from ..storage.staging_pool import pinning_available
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class SnapshotArena:
         offset = 0
         for (slot, t), size in zip(picks, sizes):
             view = segment.data[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-            _copy(view, t, streams)
+            copy_to_host(view, t, streams)
             slot.put(view)
             offset += size
         for stream in streams.values():
@@ -166,18 +166,6 @@ class SnapshotArena:
         for segment in list(self.segments.values()):
             self._drop(segment)
         self.retired.clear()
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, streams: dict[torch.device, Any]) -> None:
-    if src.device.type != "cuda":
-        dst.copy_(src)
-        return
-    stream = streams.get(src.device)
-    if stream is None:
-        stream = streams[src.device] = torch.cuda.Stream(src.device)
-        stream.wait_stream(torch.cuda.current_stream(src.device))
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
 
 
 # --------------------------------------------------------------------------- the worker side

@@ -47,7 +47,7 @@ def load_leaves(
     """Fill every leaf: tensors in place (``data`` allocated on the CPU if None),
     objects' ``data`` set to the unpickled payload."""
     index = read_index(ckpt)
-    planner = LoadPlanner(index, shared_pool())
+    planner = LoadPlanner(index)
     for sh in leaves:
         if isinstance(sh, ShardedTensor):
             if sh.data is None:

@@ -33,7 +33,7 @@ import torch
 from ..._shard_geometry import box_intersection, box_slices, flat_range_rows
 from ...errors import CheckpointingException, CorruptCheckpointError, ShapeMismatchError
 from ...mapping import ShardedObject, ShardedTensor
-from ..storage.staging_pool import StagingPool
+from ..storage.staging_pool import StagingPool, shared_pool
 from .index import DTYPES, ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
 from .reader import Read
 from .writer import buffer_of
@@ -69,12 +69,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 class LoadPlanner:
     """Builds the :class:`LoadPlan` of one rank's request (see the module docstring)."""
 
-    def __init__(self, index: RawIndex, pool: StagingPool | None = None) -> None:
+    def __init__(self, index: RawIndex) -> None:
         self.index = index
-        # Accelerator destinations stream through ``pool`` where its buffers hold whole
-        # checksum blocks (each chunk is then read and verified on its own).
-        bb = index.block_bytes
-        self._pool = pool if pool is not None and pool.buffer_bytes % (bb or 1) == 0 else None
+        self._pool: StagingPool | None | bool = False  # looked up at the first device target
         c = index.columns
         self._offsets, self._length = c["offset"], c["length"]
         self._kind, self._ndim, self._dims_start = c["kind"], c["ndim"], c["dims_start"]
@@ -146,7 +143,7 @@ class LoadPlanner:
         length = self._length[row]
         if data.dtype == dtype and data.is_cpu and data.is_contiguous():
             dest = data
-        elif data.dtype == dtype and self._pool is not None and data.is_contiguous():
+        elif data.dtype == dtype and data.is_contiguous() and self._streaming_pool():
             self.plan.device_fills.append((row, data))
             return
         else:
@@ -154,6 +151,16 @@ class LoadPlanner:
             self.plan.copies.append(partial(_copy, data, dest))
         buf = (ctypes.c_char * length).from_address(dest.data_ptr()) if length else b""
         self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
+
+    def _streaming_pool(self) -> bool:
+        """Whether accelerator destinations stream through the staging pool: there is
+        one, and its buffers hold whole checksum blocks (each chunk is then read and
+        verified on its own)."""
+        if self._pool is False:
+            pool = shared_pool()
+            bb = self.index.block_bytes or 1
+            self._pool = pool if pool is not None and pool.buffer_bytes % bb == 0 else None
+        return self._pool is not None
 
     def _read(self, row: int, entry_offset: int, length: int, dest: Any) -> Read:
         return Read(row, entry_offset, length, dest, self._offsets[row] + entry_offset)

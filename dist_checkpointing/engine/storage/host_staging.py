@@ -103,15 +103,26 @@ def stage_slots(slots: list[TensorSlot]) -> None:
         if pin is None:
             pin = pinning_available()
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-        stream = streams.get(tensor.device)
-        if stream is None:
-            stream = streams[tensor.device] = torch.cuda.Stream(tensor.device)
-            stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(stream):
-            host.copy_(tensor, non_blocking=True)
+        copy_to_host(host, tensor, streams)
         slot.put(host)
     for stream in streams.values():
         stream.synchronize()
 
 
-__all__ = ["StagingStep", "TensorSlot", "stage_slots"]
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor, streams: dict[torch.device, Any]) -> None:
+    """Start the copy of ``src`` into host tensor ``dst``: from CUDA, asynchronously on
+    the side stream of ``src``'s device in ``streams`` (created on first use, after
+    waiting for the current stream); from anywhere else, at once. The caller
+    synchronizes every stream of ``streams`` before using ``dst``."""
+    if src.device.type != "cuda":
+        dst.copy_(src)
+        return
+    stream = streams.get(src.device)
+    if stream is None:
+        stream = streams[src.device] = torch.cuda.Stream(src.device)
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+
+
+__all__ = ["StagingStep", "TensorSlot", "copy_to_host", "stage_slots"]
