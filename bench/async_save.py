@@ -54,7 +54,19 @@ from dataclasses import dataclass
 import psutil
 import torch
 import torch.distributed as dist
-from common import PeakSampler, fmt_gbps, fmt_mib, log, measured, rank, raw_blob, raw_write, world
+from common import (
+    PeakSampler,
+    drop_dir,
+    fmt_gbps,
+    fmt_mib,
+    fresh_dir,
+    log,
+    measured,
+    rank,
+    raw_blob,
+    raw_write,
+    world,
+)
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -164,28 +176,14 @@ def make_compute(kind: str, device: torch.device) -> Callable[[float], None]:
     return matmul
 
 
-def new_dir(root: str, name: str) -> str:
-    path = os.path.join(root, name)
-    if rank() == 0:
-        os.makedirs(path)
-    dist.barrier()  # a trainer makes the directory before the collective save
-    return path
-
-
-def remove_dir(path: str) -> None:
-    dist.barrier()
-    if rank() == 0:
-        shutil.rmtree(path)
-
-
 def raw_once(local: dict[str, torch.Tensor], root: str, name: str, files: int) -> float:
     """One raw-write baseline of this state (slowest rank, seconds)."""
-    path = new_dir(root, name)
+    path = fresh_dir(root, name)
     blob = raw_blob([t.cpu() for t in local.values()])  # outside the timed region
     with measured() as m:
         raw_write(path, blob, files)
     del blob
-    remove_dir(path)
+    drop_dir(path)
     return m[0].seconds
 
 
@@ -266,7 +264,7 @@ class Trainer:
             for _ in range(iterations):
                 self.compute(args.iter_seconds)
                 self._finalize(queue, blocking=False)
-            self._save(queue, new_dir(self.root, f"{name}_step{step}"))
+            self._save(queue, fresh_dir(self.root, f"{name}_step{step}"))
         self._finalize(queue, blocking=True)
         return time.perf_counter() - start
 
@@ -282,12 +280,12 @@ class Trainer:
         iso, raw = [], []
         for i in range(args.repeats):
             raw.append(raw_once(self.local, self.root, f"{name}_raw{i}", args.thread_count))
-            iso.append(self._save(queue, new_dir(self.root, f"{name}_isolated{i}")))
+            iso.append(self._save(queue, fresh_dir(self.root, f"{name}_isolated{i}")))
             self._finalize(queue, blocking=True)
         queue.close()
         if not args.no_verify:
             verify(self.local, self.dirs[self.keep])
-        remove_dir(self.dirs[self.keep])
+        drop_dir(self.dirs[self.keep])
         loop = [self.times[i] for i in range(args.steps)]
         n, r = args.steps, args.repeats
         values = max_over_ranks(
@@ -318,18 +316,6 @@ class Trainer:
 # --------------------------------------------------------------------------- report
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:8.1f} ms"
-
-
-def _list(seconds: list[float]) -> str:
-    return "[" + ", ".join(f"{v:.3f}" for v in seconds) + "] s"
-
-
-def _pct(part: float, whole: float) -> str:
-    return f"{100 * part / whole:5.1f}%"
-
-
 @dataclass
 class Baselines:
     """Raw writes and synchronous saves, measured in pairs (slowest rank, seconds)."""
@@ -353,10 +339,10 @@ def baselines(local: dict[str, torch.Tensor], root: str, args: argparse.Namespac
     raw, sync, peak = [], [], 0
     for i in range(args.repeats + 1):
         raw_s = raw_once(local, root, f"raw{i}", args.thread_count)
-        path = new_dir(root, f"sync{i}")
+        path = fresh_dir(root, f"sync{i}")
         with measured() as m:
             dc.save(sharded(local), path, strategy)
-        remove_dir(path)
+        drop_dir(path)
         if i > 0:  # the first pair warms up (imports, first-call costs, the page cache)
             raw.append(raw_s)
             sync.append(m[0].seconds)
