@@ -330,7 +330,9 @@ def _device_chunks(items: list[tuple[int, int, Any]]) -> Generator[Chunk, None, 
     ]
     if not sources:
         return None
-    pool = shared_pool() or shared_pool(buffer_bytes=knobs.STAGING_BUFFER_BYTES.get())
+    # With COPY_AHEAD_BYTES=0 the save stages everything first; a caller that did not
+    # still gets a bounded copy: a pool of one buffer.
+    pool = shared_pool() or shared_pool(budget_bytes=knobs.STAGING_BUFFER_BYTES.get())
     assert pool is not None
     return iter(CopyAhead(pool, sources))
 
