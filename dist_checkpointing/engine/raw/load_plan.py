@@ -71,7 +71,9 @@ class LoadPlanner:
 
     def __init__(self, index: RawIndex) -> None:
         self.index = index
-        self._pool: StagingPool | None | bool = False  # looked up at the first device target
+        # Looked up at the first accelerator destination (None: no streaming).
+        self._pool: StagingPool | None = None
+        self._pool_known = False
         c = index.columns
         self._offsets, self._length = c["offset"], c["length"]
         self._kind, self._ndim, self._dims_start = c["kind"], c["ndim"], c["dims_start"]
@@ -143,7 +145,7 @@ class LoadPlanner:
         length = self._length[row]
         if data.dtype == dtype and data.is_cpu and data.is_contiguous():
             dest = data
-        elif data.dtype == dtype and data.is_contiguous() and self._streaming_pool():
+        elif data.dtype == dtype and data.is_contiguous() and self._streams(length):
             self.plan.device_fills.append((row, data))
             return
         else:
@@ -152,15 +154,18 @@ class LoadPlanner:
         buf = (ctypes.c_char * length).from_address(dest.data_ptr()) if length else b""
         self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
 
-    def _streaming_pool(self) -> bool:
-        """Whether accelerator destinations stream through the staging pool: there is
-        one, and its buffers hold whole checksum blocks (each chunk is then read and
-        verified on its own)."""
-        if self._pool is False:
+    def _streams(self, length: int) -> bool:
+        """Whether an entry of ``length`` bytes for an accelerator destination streams
+        through the staging pool: there is one, its buffers hold whole checksum blocks
+        (each chunk is then read and verified on its own), and the entry is large (at
+        least an eighth of a buffer, 4 MiB by default: smaller ones are read with the
+        rest, in batches, and copied from host memory)."""
+        if not self._pool_known:
             pool = shared_pool()
             bb = self.index.block_bytes or 1
             self._pool = pool if pool is not None and pool.buffer_bytes % bb == 0 else None
-        return self._pool is not None
+            self._pool_known = True
+        return self._pool is not None and length >= self._pool.buffer_bytes // 8
 
     def _read(self, row: int, entry_offset: int, length: int, dest: Any) -> Read:
         return Read(row, entry_offset, length, dest, self._offsets[row] + entry_offset)
