@@ -318,7 +318,8 @@ class FileSystemWriterAsync(StorageWriter):
         """Resolve every item of ``plan`` and group them into size-balanced buckets.
 
         CPU tensors are kept as they are (views of larger storages are copied);
-        accelerator tensors are staged later (:func:`stage_buckets_to_host`).
+        accelerator tensors are staged later (by the request's staging step,
+        :class:`StageBuckets`).
         """
         self._buckets = build_buckets(
             plan.items,

@@ -20,9 +20,9 @@ import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from ..storage.location import CheckpointDir
-from ..storage.staging_pool import fill_from_host, shared_pool
+from ..storage.staging_pool import fill_from_host
 from .index import INDEX_NAME, KIND_FLAT, KIND_OBJECT, RawIndex, parse_index
-from .load_plan import LoadPlanner, finish_objects
+from .load_plan import LoadPlan, LoadPlanner, finish_objects
 from .reader import RawReader, Read
 from .writer import buffer_of
 
@@ -63,20 +63,19 @@ def load_leaves(
     reader.run(plan.reads)
     for copy in plan.copies:
         copy()
-    fill_devices(reader, plan.device_fills)
+    fill_devices(reader, plan)
     finish_objects(plan, load_object)
 
 
-def fill_devices(reader: RawReader, fills: list[tuple[int, torch.Tensor]]) -> None:
-    """Read whole entries into accelerator tensors through the staging pool: a chunk
-    (a pool buffer, whole checksum blocks) is read and verified, then copied to the
-    device while the next chunk is read. Host memory: the pool's budget."""
-    if not fills:
+def fill_devices(reader: RawReader, plan: LoadPlan) -> None:
+    """Read the plan's whole entries for accelerator tensors through its staging pool:
+    a chunk (a pool buffer, whole checksum blocks) is read and verified, then copied to
+    the device while the next chunk is read. Host memory: the pool's budget."""
+    pool = plan.pool
+    if pool is None:  # the planner streams only through a pool
         return
-    pool = shared_pool()
-    assert pool is not None  # the planner streams only when there is a pool
     offsets = reader.index.columns["offset"]
-    for row, target in fills:
+    for row, target in plan.device_fills:
 
         def read(at: int, host: torch.Tensor, row: int = row) -> None:
             n = host.numel()

@@ -49,8 +49,9 @@ class LoadPlan:
     copies: list[Callable[[], None]] = field(default_factory=list)
     objects: list[tuple[ShardedObject, bytearray]] = field(default_factory=list)
     # Accelerator destinations of whole entries: (row, tensor), each streamed through
-    # the staging pool once the reads are done (:func:`.load.fill_devices`).
+    # ``pool`` once the reads are done (:func:`.load.fill_devices`).
     device_fills: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    pool: StagingPool | None = None
 
 
 def _host_view(
@@ -71,9 +72,7 @@ class LoadPlanner:
 
     def __init__(self, index: RawIndex) -> None:
         self.index = index
-        # Looked up at the first accelerator destination (None: no streaming).
-        self._pool: StagingPool | None = None
-        self._pool_known = False
+        self._pool_known = False  # the staging pool is looked up at the first device target
         c = index.columns
         self._offsets, self._length = c["offset"], c["length"]
         self._kind, self._ndim, self._dims_start = c["kind"], c["ndim"], c["dims_start"]
@@ -163,9 +162,10 @@ class LoadPlanner:
         if not self._pool_known:
             pool = shared_pool()
             bb = self.index.block_bytes or 1
-            self._pool = pool if pool is not None and pool.buffer_bytes % bb == 0 else None
+            self.plan.pool = pool if pool is not None and pool.buffer_bytes % bb == 0 else None
             self._pool_known = True
-        return self._pool is not None and length >= self._pool.buffer_bytes // 8
+        pool = self.plan.pool
+        return pool is not None and length >= pool.buffer_bytes // 8
 
     def _read(self, row: int, entry_offset: int, length: int, dest: Any) -> Read:
         return Read(row, entry_offset, length, dest, self._offsets[row] + entry_offset)

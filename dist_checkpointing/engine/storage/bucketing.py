@@ -132,7 +132,8 @@ def build_buckets(
     resolved (``resolve``, the planner's ``resolve_data``), files named from ``prefix``.
 
     CPU tensors are kept as they are (views of larger storages are copied);
-    accelerator tensors are staged later (``stage_buckets_to_host``).
+    accelerator tensors are staged later (by the request's staging step,
+    ``StageBuckets``).
     """
     buckets = []
     for n, group in enumerate(plan_buckets(items, thread_count, separation_hint)):

@@ -34,7 +34,7 @@ from ..._torch_compat import StorageInfo
 from ..process import child_context, describe_exit, gc_paused, in_caller, traceback_text
 from .base import FileSystemIO
 from .checksums import ChecksumStream, ItemChecksum
-from .host_staging import StagingStep, TensorSlot, stage_slots
+from .host_staging import StagingStep, TensorSlot
 from .resolve import filesystem_for
 from .staging_pool import TensorItemWriter
 
@@ -76,22 +76,6 @@ class WriteOutcome:
 # --------------------------------------------------------------------------- staging
 
 
-def bucket_slots(buckets: list[WriteBucket]) -> list[TensorSlot]:
-    """Every tensor item of ``buckets`` (the writer takes host tensors as they are)."""
-    return [
-        TensorSlot(bucket.tensor_items, i, 1)
-        for bucket in buckets
-        for i in range(len(bucket.tensor_items))
-    ]
-
-
-def stage_buckets_to_host(buckets: list[WriteBucket]) -> list[WriteBucket]:
-    """Copy the accelerator tensors of ``buckets`` to (pinned) host memory, in place
-    (:func:`~.host_staging.stage_slots`); returns ``buckets`` itself."""
-    stage_slots(bucket_slots(buckets))
-    return buckets
-
-
 @dataclass(frozen=True)
 class StageBuckets(StagingStep):
     """The staging step of a ``torch_dist`` save (an ``AsyncRequest``'s ``preload_fn``;
@@ -105,7 +89,12 @@ class StageBuckets(StagingStep):
     deferred: bool = False
 
     def slots(self) -> list[TensorSlot]:
-        return bucket_slots(self.buckets)
+        # Every tensor item: the writer takes host tensors as they are.
+        return [
+            TensorSlot(bucket.tensor_items, i, 1)
+            for bucket in self.buckets
+            for i in range(len(bucket.tensor_items))
+        ]
 
     def result(self) -> list[WriteBucket]:
         return self.buckets
@@ -445,8 +434,6 @@ __all__ = [
     "StageBuckets",
     "WriteBucket",
     "WriteOutcome",
-    "bucket_slots",
-    "stage_buckets_to_host",
     "write_bucket_file",
     "write_buckets_multiproc",
     "write_buckets_threaded",
