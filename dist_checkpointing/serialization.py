@@ -37,6 +37,7 @@ from .engine.collectives import ProcessGroup, RankGroup
 from .engine.process import gc_paused
 from .engine.sharding_split import validate_sharding_split
 from .engine.storage.location import CheckpointDir
+from .engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
 from .errors import (
     CheckpointingException,
 )
@@ -77,7 +78,7 @@ CONTENT_METADATA_KEY = "content_metadata"
 
 # The whole files a load reads first, fetched by one rank for all where that saves
 # requests (object stores; see engine.checkpoint.preload).
-_SMALL_FILES = (CONFIG_FNAME, METADATA_FILE_NAME, COMMON_STATE_FNAME)
+_SMALL_FILES = (CONFIG_FNAME, METADATA_FILE_NAME, METADATA_INDEX_NAME, COMMON_STATE_FNAME)
 
 __all__ = [
     "save",

@@ -56,6 +56,9 @@ METADATA_PARSE_GUARD           1          parse a ``.metadata`` of 16 KiB or mor
 METADATA_PARSE_CPU_S           5.0        that child's CPU-seconds: this, plus
 METADATA_PARSE_CPU_S_PER_MIB   1.0        this per MiB of the file (four times as much when
                                           the fast unpickler cannot be used)
+METADATA_INDEX                 1          ``torch_dist`` saves write a JSON index of
+                                          ``.metadata`` and loads build it from that (no
+                                          pickle, no guard); 0: neither
 ============================== ========== ===================================================
 """
 
@@ -219,6 +222,12 @@ METADATA_PARSE_GUARD = Knob(
     0,
     "1: parse a large .metadata in a forked child under a CPU-time limit first; 0: off",
 )
+METADATA_INDEX = Knob(
+    "METADATA_INDEX",
+    1,
+    0,
+    "1: torch_dist saves write a JSON index of .metadata and loads read it; 0: neither",
+)
 METADATA_PARSE_CPU_S = Knob(
     "METADATA_PARSE_CPU_S", 5.0, 1.0, "CPU-seconds a .metadata parse may take (plus per MiB)"
 )
@@ -260,6 +269,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     METADATA_PARSE_GUARD,
     METADATA_PARSE_CPU_S,
     METADATA_PARSE_CPU_S_PER_MIB,
+    METADATA_INDEX,
 )
 
 __all__ = [
@@ -299,4 +309,5 @@ __all__ = [
     "METADATA_PARSE_GUARD",
     "METADATA_PARSE_CPU_S",
     "METADATA_PARSE_CPU_S_PER_MIB",
+    "METADATA_INDEX",
 ]

@@ -2,9 +2,8 @@
 
 The files are exactly PyTorch DCP's: ``__<rank>_<n>.distcp`` data files (one per
 bucket, a concatenation of items: a tensor item is a complete ``torch.save`` zip of
-the chunk, a bytes item its raw bytes) and a pickled torch ``Metadata`` in
-``.metadata``, written last and atomically. Megatron-Core and plain
-``torch.distributed.checkpoint`` read them.
+the chunk, a bytes item its raw bytes) and a pickled torch ``Metadata`` in ``.metadata``
+(and its JSON index), written last and atomically. Megatron-Core and DCP read them.
 
 This module holds the DCP protocol (:class:`FileSystemWriterAsync`, Megatron-Core's
 class at Megatron-Core's path); the engine does the work:
@@ -39,6 +38,7 @@ from ..engine.storage.bucketing import build_buckets, data_file_prefix
 from ..engine.storage.checksums import DataFileEntry
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.metadata_blob import metadata_bytes
+from ..engine.storage.metadata_index import INDEX_NAME, encode_index
 from ..engine.storage.resolve import is_url
 from ..engine.storage.write_results import data_file_checksums, storage_data_from_results
 from ..engine.storage.write_workers import (
@@ -268,6 +268,9 @@ class FileSystemWriterAsync(StorageWriter):
             data = metadata_bytes(metadata)  # fast when only storage_meta changed
             # Staged under a save-specific name while the commit protocol runs.
             self.location.atomic_write(METADATA_FILE_NAME, data, sync=self.sync_files)
+            index = encode_index(metadata, data) if knobs.METADATA_INDEX.get() else None
+            if index is not None:  # the same facts without a pickle, for our loads
+                self.location.atomic_write(INDEX_NAME, index, sync=self.sync_files)
         except OSError as exc:
             raise CheckpointWriteError(
                 f"rank {self._rank_or_default()}: writing checkpoint metadata {path} failed: {exc}"

@@ -32,6 +32,7 @@ from ..engine.raw.index import DATA_SUFFIX, INDEX_NAME, KIND_OBJECT, is_raw_byte
 from ..engine.raw.save import save_request
 from ..engine.safety import object_loader
 from ..engine.storage.location import CheckpointDir
+from ..engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
 from ..mapping import ShardedBase, ShardedStateDict
 from .base import (
     AsyncSaveShardedStrategy,
@@ -94,7 +95,7 @@ class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
     def owns_file(self, name: str) -> bool:
         return (
             is_raw_bytes_file(name)
-            or name == _TORCH_DIST_METADATA
+            or name in (_TORCH_DIST_METADATA, METADATA_INDEX_NAME)
             or name.endswith(DATA_FILE_SUFFIX)
         )
 

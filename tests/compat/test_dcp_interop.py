@@ -445,8 +445,15 @@ def _zip_member(path: Path, suffix: str) -> bytes:
 def test_file_names_like_megatron_0_13(our_ckpt: Path) -> None:
     names = set(os.listdir(our_ckpt))
     data_files = {n for n in names if n.endswith(".distcp")}
-    # Megatron-Core's files, plus our commit record (which neither reader needs).
-    assert names - data_files == {".metadata", "metadata.json", "common.pt", "commit.json"}
+    # Megatron-Core's files, plus our commit record and the JSON index of .metadata
+    # (which neither reader needs).
+    assert names - data_files == {
+        ".metadata",
+        "metadata.json",
+        "common.pt",
+        "commit.json",
+        ".metadata_index.json",
+    }
     pattern = re.compile(r"__(\d+)_(\d+)\.distcp")
     assert all(pattern.fullmatch(n) for n in data_files), sorted(data_files)
     assert {int(pattern.fullmatch(n).group(1)) for n in data_files} == {0, 1}  # type: ignore[union-attr]

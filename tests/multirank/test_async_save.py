@@ -52,7 +52,7 @@ pytestmark = pytest.mark.timeout(120)
 BOTH_KINDS = pytest.mark.parametrize("persistent", [False, True], ids=["temporal", "persistent"])
 WAIT_S = 30.0  # bound of every wait for a background write
 KILL_DEADLINE_S = 60.0  # a killed writer must turn into an error within this time
-COMMIT_FILES = (".metadata", "metadata.json", "commit.json")
+COMMIT_FILES = (".metadata", ".metadata_index.json", "metadata.json", "commit.json")
 SHARDED_KEYS = ("layer.weight", "layer.bias", "embedding")
 REPLICATED_KEYS = ("replicated.scale",)
 

@@ -72,6 +72,7 @@ def test_manifest_records_every_written_file(ckpt: Path) -> None:
     names = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) + [
         "common.pt",
         ".metadata",
+        ".metadata_index.json",
     ]
     assert sorted(manifest["files"]) == sorted(names)
     for name in names:
@@ -207,7 +208,7 @@ def test_every_rank_digests_its_files(tmp_path: Path) -> None:
     files = json.loads((tmp_path / INTEGRITY_FNAME).read_text())["files"]
     data_files = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
     assert {n[:3] for n in data_files} == {"__0", "__1"}  # both ranks wrote files
-    assert sorted(files) == sorted(data_files + ["common.pt", ".metadata"])
+    assert sorted(files) == sorted(data_files + ["common.pt", ".metadata", ".metadata_index.json"])
     for name in files:
         assert files[name] == _sha256(tmp_path / name), name
 

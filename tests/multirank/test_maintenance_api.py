@@ -253,11 +253,12 @@ def test_remove_writes_metadata_before_deleting(
     with pytest.raises(OSError, match="injected"):
         dcp.remove_sharded_tensors(ckpt, "opt.")
     monkeypatch.undo()
-    # The new .metadata is staged, then committed by the commit record, before any
-    # data file is removed.
+    # The new .metadata and its index are staged, then committed by the commit record,
+    # before any data file is removed.
     first_remove = next(i for i, e in enumerate(events) if e.startswith("remove opt.__"))
-    assert events[0].startswith("write .metadata.") and events[1] == "write commit.json", events
-    assert first_remove > 1, events
+    assert events[0].startswith("write .metadata.") and events[2] == "write commit.json", events
+    assert events[1].startswith("write .metadata_index.json."), events
+    assert first_remove > 2, events
 
     # A crash between the two steps leaves a consistent checkpoint: the removed keys are
     # gone, the rest loads bit-exactly; only unreferenced files remain.

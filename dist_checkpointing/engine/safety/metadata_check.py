@@ -50,8 +50,9 @@ def _short(obj: object) -> str:
 
 
 class _Checker:
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, budget: int | None = None) -> None:
         self.source = source
+        self.budget = budget  # pair comparisons per chunk of a tensor (and a base)
 
     def fail(self, where: str, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.source}: {where}: {what}")
@@ -100,7 +101,8 @@ class _Checker:
             if any(o + e > s for o, e, s in zip(off, ext, size)):
                 raise self.fail(where, f"chunk at {off} of sizes {ext} exceeds shape {size}")
             boxes.append((off, ext))
-        pair = first_overlap(boxes)
+        budget = None if self.budget is None else self.budget * (len(boxes) + 1024)
+        pair = first_overlap(boxes, budget)
         if pair is not None:
             a, b = (boxes[i] for i in pair)
             raise self.fail(
@@ -167,13 +169,17 @@ class _Checker:
         raise self.fail(where, f"malformed entry {_short(info)}")  # pragma: no cover
 
 
-def check_metadata(metadata: Metadata, source: str) -> None:
+def check_metadata(metadata: Metadata, source: str, *, budget: int | None = None) -> None:
     """Refuse a ``.metadata`` whose fields have the wrong types or are inconsistent.
+
+    ``budget``: at most that many pair comparisons per chunk of a tensor in the overlap
+    check (None: no bound; a parse in the forked CPU-time guard needs none).
 
     Raises:
         CorruptCheckpointError: naming ``source`` and the offending key.
+        CheckTooCostly: the budget was exceeded (nothing wrong was found so far).
     """
-    check = _Checker(source)
+    check = _Checker(source, budget)
     entries: dict[Any, Any] = vars(metadata)["state_dict_metadata"]
     for key, md in entries.items():
         if type(key) is not str:
@@ -215,25 +221,38 @@ def _whole(size: object, chunk: dict[str, Any]) -> bool:
     )
 
 
+class CheckTooCostly(Exception):
+    """The overlap check of one tensor's chunks went over its comparison budget."""
+
+
+def _distinct_sorted(values: list[Any]) -> list[Any]:
+    """``sorted(set(values))`` without hashing (tuples of ints from a file can be made
+    to collide, and a set of them would take quadratic time)."""
+    values = sorted(values)
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+
+
 def _grid_disjoint(boxes: list[Box]) -> bool:
     """True when the boxes are disjoint by a cheap argument: in every dimension their
     intervals are equal or disjoint (a grid, the usual layout), and no box repeats.
     False means "not shown", not "overlapping"."""
-    if len(set(boxes)) != len(boxes):
+    if len(_distinct_sorted(boxes)) != len(boxes):
         return False
     for d in range(len(boxes[0][0])):
-        intervals = sorted({(off[d], ext[d]) for off, ext in boxes})
+        intervals = _distinct_sorted([(off[d], ext[d]) for off, ext in boxes])
         if any(a[0] + a[1] > b[0] for a, b in zip(intervals, intervals[1:])):
             return False
     return True
 
 
-def first_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
+def first_overlap(boxes: Sequence[Box], budget: int | None = None) -> tuple[int, int] | None:
     """Indices of two boxes (offsets, sizes) that share an element, or None.
 
     A sweep along the dimension where the boxes' offsets differ most (the last one
     for flat chunks of one block, the first for row shards): only boxes still open
-    there are compared. A regular grid is recognized first, in O(n log n).
+    there are compared. A regular grid is recognized first, in O(n log n). Crafted
+    boxes can keep many open at once (quadratic); with ``budget``, more than that many
+    pair comparisons raise :class:`CheckTooCostly`.
     """
     nonempty = [i for i, (_, ext) in enumerate(boxes) if all(ext)]
     if len(nonempty) < 2:
@@ -244,10 +263,14 @@ def first_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
     dim = max(range(ndim), key=lambda d: len({boxes[i][0][d] for i in nonempty}), default=0)
     nonempty.sort(key=lambda i: boxes[i][0][dim : dim + 1])
     active: list[int] = []
+    left = math.inf if budget is None else budget
     for i in nonempty:
         off, ext = boxes[i]
         if off:
             active = [j for j in active if boxes[j][0][dim] + boxes[j][1][dim] > off[dim]]
+        left -= len(active)
+        if left < 0:
+            raise CheckTooCostly(f"more than {budget} comparisons of {len(boxes)} chunks")
         for j in active:
             o2, e2 = boxes[j]
             if all(a < c + d and c < a + b for a, b, c, d in zip(off, ext, o2, e2)):
@@ -314,4 +337,4 @@ def check_plain(root: object, source: str, max_depth: int = MAX_NESTING) -> None
         todo.extend((child, False) for child in _children(obj))
 
 
-__all__ = ["check_metadata", "check_plain", "first_overlap"]
+__all__ = ["CheckTooCostly", "check_metadata", "check_plain", "first_overlap"]

@@ -41,6 +41,7 @@ from .checksums import BlockVerifier
 from .item_reader import TensorRecord, parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
+from .metadata_index import metadata_from_index
 from .resolve import is_url
 from .staging_pool import fill_from_host, shared_pool
 
@@ -118,7 +119,8 @@ class FileSystemReader(StorageReader):
         return metadata
 
     def _parse_metadata(self) -> Metadata:
-        """``.metadata`` parsed by the restricted unpickler (once per location handle)."""
+        """``.metadata`` (once per location handle): built from its JSON index where the
+        save wrote one that matches it, else parsed by the restricted unpickler."""
         path = self.location.path(METADATA_FILE_NAME)
         if not self.location.is_dir():
             raise CheckpointNotFoundError(f"checkpoint directory {self.path} does not exist")
@@ -127,7 +129,9 @@ class FileSystemReader(StorageReader):
                 f"{path} does not exist: {self.path} is not a finished DCP checkpoint "
                 f"(its save did not complete, or it holds another format)"
             )
-        return load_metadata(io.BytesIO(self.location.read_bytes(METADATA_FILE_NAME)), source=path)
+        data = self.location.read_bytes(METADATA_FILE_NAME)
+        indexed = metadata_from_index(self.location, data)  # no pickle to parse
+        return indexed if indexed is not None else load_metadata(io.BytesIO(data), source=path)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -214,16 +218,20 @@ class FileSystemReader(StorageReader):
             # before it are verified first (the first damaged one is the one named).
             # A streamed file (object stores) is read in order: verified at once, as a
             # verification may read the unread bytes of a block it touched.
+            # An item whose parse fails (damaged bytes in its zip framing or pickle) is
+            # verified before that error is raised: a checksum mismatch is the cause.
             defer = not self.fs.sequential_reads
             previous: ItemBytes | None = None
+            current: ItemBytes | None = None
             i = 0
             try:
                 while i < len(items):
                     j = file.load_window(items, i)
                     for read_item, info in items[i:j]:
-                        item = ItemBytes(file, info.offset, info.length, read_item)
+                        item = current = ItemBytes(file, info.offset, info.length, read_item)
                         item.verifier = self._verifier(relative_path, info.offset, info.length)
                         self._read_item(item, read_item, planner, lock)
+                        current = None
                         if previous is not None:
                             done, previous = previous, None
                             done.verify()
@@ -233,8 +241,9 @@ class FileSystemReader(StorageReader):
                             item.verify()
                     i = j
             except BaseException:
-                if previous is not None:
-                    previous.verify()
+                for pending in (previous, current):
+                    if pending is not None:
+                        pending.verify()
                 raise
             if previous is not None:
                 previous.verify()

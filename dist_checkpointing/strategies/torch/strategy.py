@@ -32,6 +32,8 @@ from ...engine.safety import object_loader
 from ...engine.sharding_split import ValidatedStructure
 from ...engine.storage.bucketing import is_data_file_of
 from ...engine.storage.location import CheckpointDir
+from ...engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
+from ...engine.storage.metadata_index import encode_index
 from ...engine.storage.reader import FileSystemReader
 from ...errors import UnsafeCheckpointError
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
@@ -137,7 +139,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         if cached_metadata:
             self.validated_structure = ValidatedStructure()
 
-    commit_files = (METADATA_FNAME,)
+    commit_files = (METADATA_FNAME, METADATA_INDEX_NAME)
 
     @property
     def cached_structure(self) -> CachedStructure | None:
@@ -241,7 +243,7 @@ class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
         allowed_types: extra classes ShardedObject payloads may contain.
     """
 
-    metadata_files = (METADATA_FNAME,)
+    metadata_files = (METADATA_FNAME, METADATA_INDEX_NAME)
     backend = BACKEND
     version = VERSION
 
@@ -361,8 +363,14 @@ class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
             new.mcore_data = {k: v for k, v in mcore_data.items() if k in keep_sd}  # type: ignore[attr-defined]
         used = {names[id(info)] for info in keep_storage.values()}
         unused = set(names.values()) - used
-        # The new .metadata is committed before any data file goes (see replace_files).
-        commit.replace_files(ckpt, {METADATA_FNAME: pickle.dumps(new)}, unused)
+        # The new .metadata (and its index) is committed before any data file goes (see
+        # replace_files). Without a new index, an old one no longer matches: ignored.
+        blob = pickle.dumps(new)
+        files = {METADATA_FNAME: blob}
+        index = encode_index(new, blob) if knobs.METADATA_INDEX.get() else None
+        if index is not None:
+            files[METADATA_INDEX_NAME] = index
+        commit.replace_files(ckpt, files, unused)
 
     def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
         """The data files holding the items of ``keys`` (from ``.metadata``)."""
