@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -384,13 +385,18 @@ def open_for_read(ckpt: CheckpointDir, verify: bool = True) -> CommitRecord | No
 
 
 def _file_verifier(ckpt: CheckpointDir, record: CommitRecord) -> Callable[[str, bytes], None]:
+    # The handle is held weakly: it holds this function (its context's on_read), and a
+    # cycle would keep the handle's parsed metadata alive until a garbage collection.
+    handle = weakref.ref(ckpt)
+
     def check(name: str, data: bytes) -> None:
         entry = record.files.get(name)
         if entry is None:
             return
         if FileEntry.of(data, record.block_bytes) != entry:
+            owner = handle()
             raise ForeignFileError(
-                f"{ckpt.path(name)} does not match the commit record of save "
+                f"{owner.path(name) if owner else name} does not match the commit record of save "
                 f"{record.save_id} ({len(data)} bytes, recorded {entry.size}; checksums "
                 f"differ): it was modified or comes from another save"
             )
