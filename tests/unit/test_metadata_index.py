@@ -194,6 +194,9 @@ def _doc(**fields: Any) -> bytes:
         (_doc(entries=[["v", "float32", [4], [[0, 4.5]]]]), "malformed entry"),
         (_doc(entries=[["v", "float32", [4]]]), "malformed entry"),
         (_doc(entries=[5]), "malformed entry"),
+        (_doc(entries=[[7]]), "a key is int, not a string"),
+        (_doc(entries=[[7, "float32", [4], [[0, 4]]]]), "a key is int, not a string"),
+        (_doc(items=[[7, [0], None, 0, 0, 16]]), "an item's key is int, not a string"),
         (_doc(entries=[["v", "float32", [1] * 65, []]]), "malformed size or chunks"),
         (_doc(items=[["v", [0], None, 1, 0, 16]]), "malformed entry.*IndexError"),
         (_doc(items=[["v", [0], None, -1, 0, 16]]), "malformed file or index"),
@@ -306,7 +309,7 @@ def test_crafted_index_paths_stay_inside(ckpt: Path, name: str) -> None:
         doc["files"] = [name] * len(doc["files"])
 
     _craft(ckpt, escape)
-    with pytest.raises(UnsafeCheckpointError, match=f"refusing file name '{name}'"):
+    with pytest.raises(UnsafeCheckpointError, match=rf"{INDEX_NAME}: refusing file name '{name}'"):
         dcp.load(_request(), ckpt)
 
 
@@ -354,6 +357,14 @@ def test_the_overlap_check_never_hashes_boxes() -> None:
     assert first_overlap(boxes) is None
     with pytest.raises(CheckTooCostly):
         first_overlap([((i, i), (1000, 1)) for i in range(100)], budget=10)
+
+
+def test_colliding_int_keys_are_refused_before_any_dict() -> None:
+    # Keys whose hashes collide would make building the dict quadratic: refused first.
+    keys = cp.colliding_ints(20_000)
+    data = _doc(entries=[[k] for k in keys], items=[[k, None, None, 0, 0, 1] for k in keys])
+    with pytest.raises(CorruptCheckpointError, match="not a string"):
+        decode_index(data, BLOB, "/ck/idx")
 
 
 def test_corrupt_object_item_is_a_checksum_mismatch(ckpt: Path) -> None:

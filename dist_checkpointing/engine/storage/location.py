@@ -247,6 +247,10 @@ class CheckpointDir:
         value: T = self._memo[key]
         return value
 
+    def memoized(self, key: str) -> Any:
+        """What :meth:`memo` holds for ``key`` (None: nothing yet)."""
+        return self._memo.get(key)
+
     def forget(self, key: str) -> None:
         """Drop what :meth:`memo` holds for ``key`` (the file it was read from changed)."""
         self._memo.pop(key, None)

@@ -281,8 +281,13 @@ class _Reader:
             metadata.mcore_data = self.mcore(mcore)  # type: ignore[attr-defined]
         return metadata
 
+    # Keys are checked to be strings before they go into a dict: str hashes are
+    # randomized per process, ints (and MetadataIndex of ints) can be made to collide.
+
     @staticmethod
     def entry(entry: list[Any]) -> tuple[str, Any]:
+        if type(entry[0]) is not str:
+            raise ValueError(f"a key is {type(entry[0]).__name__}, not a string")
         if len(entry) == 1:
             return entry[0], BytesStorageMetadata()
         key, dtype, size, boxes = entry
@@ -295,6 +300,8 @@ class _Reader:
     @staticmethod
     def item(item: list[Any], files: list[str]) -> tuple[MetadataIndex, Any]:
         fqn, offset, index, file, start, length = item
+        if type(fqn) is not str:
+            raise ValueError(f"an item's key is {type(fqn).__name__}, not a string")
         if type(file) is not int or file < 0 or (index is not None and type(index) is not int):
             raise ValueError(f"storage of {str(fqn)[:200]!r}: malformed file or index")
         info = StorageInfo(files[file], start, length)

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -41,11 +41,25 @@ from .checksums import BlockVerifier
 from .item_reader import TensorRecord, parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
-from .metadata_index import metadata_from_index
+from .metadata_index import INDEX_NAME, metadata_from_index
 from .resolve import is_url
 from .staging_pool import fill_from_host, shared_pool
 
 logger = logging.getLogger(__name__)
+
+
+class _ReadMetadata(NamedTuple):
+    """A checkpoint's metadata and the file it came from (for error messages)."""
+
+    metadata: Metadata
+    source: str
+
+
+def metadata_source(location: CheckpointDir) -> str:
+    """The file the checkpoint's metadata was read from (``.metadata``, or its JSON
+    index), to name in messages about its entries; ``.metadata`` before it is read."""
+    read = location.memoized(METADATA_FILE_NAME)
+    return location.path(METADATA_FILE_NAME) if read is None else str(read.source)
 
 
 class FileSystemReader(StorageReader):
@@ -82,7 +96,7 @@ class FileSystemReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def _metadata_path(self) -> str:
-        return self.location.path(METADATA_FILE_NAME)
+        return metadata_source(self.location)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load (optionally from another directory)."""
@@ -111,14 +125,14 @@ class FileSystemReader(StorageReader):
                 f"{self.path}: rank-local metadata files are not supported "
                 f"(requested with {args or ''}{kwargs or ''})"
             )
-        metadata = self.location.memo(METADATA_FILE_NAME, self._parse_metadata)
+        metadata = self.location.memo(METADATA_FILE_NAME, self._parse_metadata).metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _parse_metadata(self) -> Metadata:
+    def _parse_metadata(self) -> _ReadMetadata:
         """``.metadata`` (once per location handle): built from its JSON index where the
         save wrote one that matches it, else parsed by the restricted unpickler."""
         path = self.location.path(METADATA_FILE_NAME)
@@ -131,7 +145,9 @@ class FileSystemReader(StorageReader):
             )
         data = self.location.read_bytes(METADATA_FILE_NAME)
         indexed = metadata_from_index(self.location, data)  # no pickle to parse
-        return indexed if indexed is not None else load_metadata(io.BytesIO(data), source=path)
+        if indexed is not None:
+            return _ReadMetadata(indexed, self.location.path(INDEX_NAME))
+        return _ReadMetadata(load_metadata(io.BytesIO(data), source=path), path)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

@@ -34,7 +34,7 @@ from ...engine.storage.bucketing import is_data_file_of
 from ...engine.storage.location import CheckpointDir
 from ...engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
 from ...engine.storage.metadata_index import encode_index
-from ...engine.storage.reader import FileSystemReader
+from ...engine.storage.reader import FileSystemReader, metadata_source
 from ...errors import UnsafeCheckpointError
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from ..base import (
@@ -376,7 +376,7 @@ class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
         """The data files holding the items of ``keys`` (from ``.metadata``)."""
         ckpt = CheckpointDir.of(checkpoint_dir)
         metadata = FileSystemReader(ckpt).read_metadata()
-        source = ckpt.path(METADATA_FNAME)
+        source = metadata_source(ckpt)
         return {
             ckpt.entry(info.relative_path, source=source)
             for index, info in (metadata.storage_data or {}).items()
@@ -391,7 +391,7 @@ def _data_file_names(ckpt: CheckpointDir, metadata: Metadata) -> dict[int, str]:
         UnsafeCheckpointError: a name leaves the directory or is not a data file
             (``*.distcp``): ``remove_sharded_tensors`` never deletes anything else.
     """
-    source = ckpt.path(METADATA_FNAME)
+    source = metadata_source(ckpt)
     out: dict[int, str] = {}
     for index, info in (metadata.storage_data or {}).items():
         name = ckpt.entry(getattr(info, "relative_path", None), source=source)
