@@ -28,7 +28,11 @@ import dist_checkpointing as dcp
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing._torch_compat import StorageInfo
 from dist_checkpointing.engine.safety import metadata as parse_module
-from dist_checkpointing.engine.safety.metadata_check import CheckTooCostly, first_overlap
+from dist_checkpointing.engine.safety.metadata_check import (
+    CheckTooCostly,
+    check_metadata,
+    first_overlap,
+)
 from dist_checkpointing.engine.storage.metadata_index import (
     INDEX_NAME,
     decode_index,
@@ -380,3 +384,64 @@ def test_corrupt_object_item_is_a_checksum_mismatch(ckpt: Path) -> None:
         CorruptCheckpointError, match=rf"obj.*{info.relative_path}|{info.relative_path}.*obj"
     ):
         dcp.load(_request(), ckpt)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def _paths(doc: object, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a JSON document (for replacing what is there)."""
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _two_tensor_index() -> dict[str, Any]:
+    md = _plain()
+    props = TensorProperties(dtype=torch.bfloat16)
+    chunks = [ChunkStorageMetadata(torch.Size((i, 0)), torch.Size((2, 3))) for i in (0, 2)]
+    md.state_dict_metadata["w"] = TensorStorageMetadata(props, torch.Size((4, 3)), chunks)
+    md.state_dict_metadata["o/shard_0_1"] = BytesStorageMetadata()
+    assert md.storage_data is not None
+    for i, c in enumerate(chunks):
+        md.storage_data[MetadataIndex("w", c.offsets)] = StorageInfo("__1_0.distcp", 64 * i, 64)
+    md.storage_data[MetadataIndex("o/shard_0_1")] = StorageInfo("__0_0.distcp", 16, 9)
+    md.mcore_data = {"v": {}, "w": {}}  # type: ignore[attr-defined]
+    data = encode_index(md, BLOB)
+    assert data is not None
+    doc: dict[str, Any] = json.loads(data)
+    return doc
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_any_damage_to_an_index_is_our_error(data: Any) -> None:
+    doc = _two_tensor_index()
+    places = [p for p in _paths(doc) if p and p[0] not in ("format", "version", "metadata")]
+    for _ in range(data.draw(st.integers(1, 3))):
+        where = data.draw(st.sampled_from(places))
+        value = data.draw(_JSON)
+        parent: Any = doc
+        try:
+            for step in where[:-1]:
+                parent = parent[step]
+            parent[where[-1]] = value
+        except (IndexError, KeyError, TypeError):
+            continue  # the place went away with an earlier change
+    try:
+        md = decode_index(json.dumps(doc).encode(), BLOB, "/ck/idx")
+        if md is not None:
+            check_metadata(md, "/ck/idx", budget=64)
+    except (CorruptCheckpointError, CheckTooCostly):
+        pass  # refused with our error (or set aside for the guarded parse)
