@@ -33,7 +33,10 @@ Steps (``*``: the coordinator; ``owner``: the busiest key owner):
   with a new ``storage_meta`` (``metadata_bytes``: the first pickle of that object,
   made in ``metadata*``, is reused with the new directory and save id spliced in);
 - ``unpickle (load)``: what every rank of a load spends reading ``.metadata``
-  (``load_metadata``, the restricted unpickler);
+  (``load_metadata``, the restricted unpickler) where the save wrote no index;
+- ``index (load)``: what every rank of a ``torch_dist`` load spends instead, building the
+  ``Metadata`` from the JSON index the coordinator wrote (``metadata*`` and ``cached
+  metadata*`` include encoding it: only the header again for a cached save);
 - ``= first save*`` and ``= cached save*``: the coordinator's CPU time of a save,
   the sum of its steps above (the old check not included).
 
@@ -56,6 +59,7 @@ import torch
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from dist_checkpointing.engine.safety.metadata import load_metadata
+from dist_checkpointing.engine.safety.metadata_check import check_metadata
 from dist_checkpointing.engine.sharding_check import ShardRecord, sharding_integrity_problems
 from dist_checkpointing.engine.sharding_split import (
     key_owner,
@@ -65,6 +69,11 @@ from dist_checkpointing.engine.sharding_split import (
 )
 from dist_checkpointing.engine.storage.checksums import ItemChecksum
 from dist_checkpointing.engine.storage.metadata_blob import metadata_bytes
+from dist_checkpointing.engine.storage.metadata_index import (
+    CHECK_BUDGET,
+    decode_index,
+    encode_index,
+)
 from dist_checkpointing.engine.storage.write_results import data_files_from_records
 from dist_checkpointing.mapping import ShardedTensor
 from dist_checkpointing.strategies.state_dict_saver import (
@@ -299,12 +308,14 @@ class PickleWriter:
     ``storage_meta`` and pickles (``metadata_bytes``, as the writer does)."""
 
     blob = b""
+    index: bytes | None = None
     saves = 0
 
     def finish_assembled(self, metadata: Any, data_files: Any) -> None:
         self.saves += 1
         metadata.storage_meta = StorageMeta(f"/ckpt/iter_{self.saves:07d}", os.urandom(16).hex())
         self.blob = metadata_bytes(metadata)
+        self.index = encode_index(metadata, self.blob)
 
 
 def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> dict[str, float]:
@@ -342,6 +353,16 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
     row(world, "cached metadata*", seconds, peak)
     times["cached"] = seconds
     row(world, "unpickle (load)", *measure(lambda: load_metadata(io.BytesIO(blob)), memory)[:2])
+    index, metadata_blob = writer.index, writer.blob
+    assert index is not None
+
+    def from_index() -> Any:
+        metadata = decode_index(index, metadata_blob, "index")
+        assert metadata is not None
+        check_metadata(metadata, "index", budget=CHECK_BUDGET)
+        return metadata
+
+    row(world, f"index (load, {len(index) >> 10} KiB)", *measure(from_index, memory)[:2])
     assert _compact_results(_expand_results(pickle.loads(payloads[0])[1][0])) is not None
     return times
 

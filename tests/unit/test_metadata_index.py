@@ -33,6 +33,7 @@ from dist_checkpointing.engine.safety.metadata_check import (
     check_metadata,
     first_overlap,
 )
+from dist_checkpointing.engine.storage import metadata_index as index_module
 from dist_checkpointing.engine.storage.metadata_index import (
     INDEX_NAME,
     decode_index,
@@ -257,7 +258,8 @@ def test_a_save_writes_the_index_and_a_load_reads_only_it(
     assert (ckpt / INDEX_NAME).exists()
     record = json.loads((ckpt / "commit.json").read_text())
     assert INDEX_NAME in record["files"]  # committed and checksummed with the save
-    parsed = parse_module.load_metadata(open(ckpt / ".metadata", "rb"))  # noqa: SIM115
+    with open(ckpt / ".metadata", "rb") as f:
+        parsed = parse_module.load_metadata(f)
     _no_pickle_parse(monkeypatch)
     indexed = FileSystemReader(str(ckpt)).read_metadata()
     indexed.storage_meta.load_id = parsed.storage_meta.load_id  # type: ignore[union-attr]
@@ -386,12 +388,13 @@ def test_corrupt_object_item_is_a_checksum_mismatch(ckpt: Path) -> None:
         dcp.load(_request(), ckpt)
 
 
-_JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=4),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
-    ),
-    max_leaves=8,
+_LEAF = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=4)
+_LIST = st.lists(_LEAF, max_size=4)
+_JSON = (
+    _LEAF
+    | _LIST
+    | st.lists(_LIST, max_size=3)
+    | st.dictionaries(st.text(max_size=3), _LEAF | _LIST, max_size=3)
 )
 
 
@@ -408,6 +411,13 @@ def _paths(doc: object, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 
 
 def _two_tensor_index() -> dict[str, Any]:
+    data = encode_index(_two_tensor_metadata(), BLOB)
+    assert data is not None
+    doc: dict[str, Any] = json.loads(data)
+    return doc
+
+
+def _two_tensor_metadata() -> Metadata:
     md = _plain()
     props = TensorProperties(dtype=torch.bfloat16)
     chunks = [ChunkStorageMetadata(torch.Size((i, 0)), torch.Size((2, 3))) for i in (0, 2)]
@@ -418,10 +428,7 @@ def _two_tensor_index() -> dict[str, Any]:
         md.storage_data[MetadataIndex("w", c.offsets)] = StorageInfo("__1_0.distcp", 64 * i, 64)
     md.storage_data[MetadataIndex("o/shard_0_1")] = StorageInfo("__0_0.distcp", 16, 9)
     md.mcore_data = {"v": {}, "w": {}}  # type: ignore[attr-defined]
-    data = encode_index(md, BLOB)
-    assert data is not None
-    doc: dict[str, Any] = json.loads(data)
-    return doc
+    return md
 
 
 @settings(max_examples=300, deadline=None)
@@ -445,3 +452,22 @@ def test_any_damage_to_an_index_is_our_error(data: Any) -> None:
             check_metadata(md, "/ck/idx", budget=64)
     except (CorruptCheckpointError, CheckTooCostly):
         pass  # refused with our error (or set aside for the guarded parse)
+
+
+def test_a_reused_structure_reencodes_only_the_header(monkeypatch: pytest.MonkeyPatch) -> None:
+    md = _two_tensor_metadata()
+    first = encode_index(md, BLOB)
+    md.storage_meta = StorageMeta(checkpoint_id="/next", save_id="s2")  # the next save
+
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("the entries were encoded again")
+
+    monkeypatch.setattr(index_module, "_entry", refuse)
+    second = encode_index(md, BLOB + b"2")
+    assert first is not None and second is not None and first != second
+    decoded = decode_index(second, BLOB + b"2", "idx")
+    assert decoded is not None
+    _same(decoded, md)
+    md.storage_data = dict(md.storage_data or {})  # a new structure: encoded afresh
+    with pytest.raises(AssertionError, match="encoded again"):
+        encode_index(md, BLOB)

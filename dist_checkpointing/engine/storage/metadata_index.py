@@ -44,6 +44,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
+import weakref
 from itertools import repeat
 from typing import Any
 
@@ -93,36 +95,64 @@ class _Inexpressible(Exception):
 
 def encode_index(metadata: Metadata, metadata_bytes: bytes) -> bytes | None:
     """The index of ``metadata`` (pickled as ``metadata_bytes``), or None when it holds
-    something the index cannot express exactly (logged at debug level)."""
+    something the index cannot express exactly (logged at debug level).
+
+    The entries part is kept for the next call with the same ``metadata`` object: a save
+    that reuses the previous structure re-encodes only the header (the same contract as
+    :mod:`.metadata_blob`: those objects are not mutated in place once written).
+    """
+    attrs = vars(metadata)
     try:
-        doc = _document(metadata, metadata_bytes)
+        unknown = set(attrs) - _FIELDS - {"mcore_data"}
+        if unknown or metadata.planner_data is not None:
+            raise _Inexpressible(f"attributes {sorted(unknown)} or planner data")
+        version = attrs.get("version")
+        if version is not None and type(version) is not str:
+            raise _Inexpressible("a version that is not a string")
+        head = {
+            "format": FORMAT,
+            "version": VERSION,
+            "metadata": {"size": len(metadata_bytes), "crc32c": crc(metadata_bytes)},
+            "dcp_version": version,
+            "storage_meta": _storage_meta(metadata.storage_meta),
+        }
+        body = _cached_body(metadata)
     except _Inexpressible as exc:
         logger.debug("no %s: %s", INDEX_NAME, exc)
         return None
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return (json.dumps(head, separators=_SEPARATORS)[:-1] + "," + body + "}").encode()
 
 
-def _document(metadata: Metadata, metadata_bytes: bytes) -> dict[str, Any]:
+_SEPARATORS = (",", ":")
+_MAX_BODIES = 8  # metadata objects remembered (one per model being saved, typically)
+_bodies: dict[int, tuple[weakref.ref[Metadata], tuple[object, ...], str]] = {}
+_bodies_lock = threading.Lock()
+
+
+def _cached_body(metadata: Metadata) -> str:
+    """``"entries":...,"files":...,"items":...,"mcore_data":...`` of ``metadata``, reused
+    while its fields are the very objects it was made from."""
     attrs = vars(metadata)
-    unknown = set(attrs) - _FIELDS - {"mcore_data"}
-    if unknown or metadata.planner_data is not None:
-        raise _Inexpressible(f"attributes {sorted(unknown)} or planner data")
-    version = attrs.get("version")
-    if version is not None and type(version) is not str:
-        raise _Inexpressible("a version that is not a string")
+    fields = (metadata.state_dict_metadata, metadata.storage_data, attrs.get("mcore_data"))
+    with _bodies_lock:
+        hit = _bodies.get(id(metadata))
+    if hit is not None and hit[0]() is metadata and all(a is b for a, b in zip(hit[1], fields)):
+        return hit[2]
     files: dict[str, int] = {}
     items = [_item(index, info, files) for index, info in (metadata.storage_data or {}).items()]
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "metadata": {"size": len(metadata_bytes), "crc32c": crc(metadata_bytes)},
-        "dcp_version": version,
-        "storage_meta": _storage_meta(metadata.storage_meta),
+    body = {
         "entries": [_entry(k, md) for k, md in metadata.state_dict_metadata.items()],
         "files": list(files),
         "items": items,
         "mcore_data": _mcore(attrs.get("mcore_data", None), "mcore_data" in attrs),
     }
+    text = json.dumps(body, separators=_SEPARATORS)[1:-1]
+    with _bodies_lock:
+        while len(_bodies) >= _MAX_BODIES:
+            del _bodies[next(iter(_bodies))]
+        _bodies[id(metadata)] = (weakref.ref(metadata), fields, text)
+    weakref.finalize(metadata, _bodies.pop, id(metadata), None)
+    return text
 
 
 def _entry(key: str, md: object) -> list[Any]:
