@@ -6,7 +6,8 @@ re-imported and arguments need not be picklable; else ``spawn``; the persistent
 async worker is forked, or a fresh interpreter, see :mod:`.async_save.worker`) and report their
 errors one way (:func:`traceback_text`, :func:`format_current_exception`,
 bounded by :func:`truncate_text`); the parent describes a child that died
-without reporting with :func:`describe_exit`.
+without reporting with :func:`describe_exit`. How many ranks share the host, and whether
+a core is left for a helper thread: :func:`ranks_on_this_host`, :func:`spare_core`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import gc
 import multiprocessing
+import os
 import signal
 import traceback
 from collections.abc import Iterator
@@ -104,3 +106,23 @@ def traceback_text(exc: BaseException) -> str:
 def format_current_exception(prefix: str) -> str:
     """``prefix`` and the traceback of the exception being handled, bounded in size."""
     return truncate_text(f"{prefix}:\n{traceback.format_exc()}")
+
+
+def ranks_on_this_host() -> int:
+    """How many ranks share this host: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun) or
+    ``SLURM_NTASKS_PER_NODE``, else 1."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        raw = os.environ.get(name, "").split("(")[0]  # SLURM may write "4(x2)"
+        if raw.strip().isdigit() and int(raw) > 0:
+            return int(raw)
+    return 1
+
+
+def spare_core() -> bool:
+    """Whether this host has more CPU cores available to this process than it has ranks:
+    only then does a helper thread run beside the main work instead of taking its turn."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return cores > ranks_on_this_host()

@@ -252,6 +252,7 @@ def test_the_hashing_thread_runs_only_beside_a_spare_core(
 ) -> None:
     """By default (2) the CRC goes to a helper thread only where this host has a core more
     than ranks; with every core busy it runs inline, on bytes still in the cache."""
+    from dist_checkpointing.engine import process
     from dist_checkpointing.engine.storage import checksums
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
@@ -260,4 +261,4 @@ def test_the_hashing_thread_runs_only_beside_a_spare_core(
     assert (checksums.hashing_thread() is not None) is threaded
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x4)")  # SLURM's own spelling
-    assert checksums.ranks_on_this_host() == 2 and not checksums.spare_core()
+    assert process.ranks_on_this_host() == 2 and not process.spare_core()

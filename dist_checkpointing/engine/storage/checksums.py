@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 import crc32c as _crc32c
 
 from .. import knobs
+from ..process import spare_core
 
 ALGORITHM = "crc32c"
 
@@ -59,30 +60,10 @@ def _forget_hasher() -> None:  # a forked child has the executor but not its thr
 os.register_at_fork(after_in_child=_forget_hasher)
 
 
-def ranks_on_this_host() -> int:
-    """How many ranks share this host: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun) or
-    ``SLURM_NTASKS_PER_NODE``, else 1."""
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        raw = os.environ.get(name, "").split("(")[0]  # SLURM may write "4(x2)"
-        if raw.strip().isdigit() and int(raw) > 0:
-            return int(raw)
-    return 1
-
-
-def spare_core() -> bool:
-    """Whether this host has more CPU cores available to this process than it has ranks:
-    only then does a helper thread run beside the reading instead of taking its turn."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return cores > ranks_on_this_host()
-
-
 def hashing_thread() -> ThreadPoolExecutor | None:
     """The thread that checksums blocks of large reads while the reader reads the next
     block (the ``CHECKSUM_THREAD`` knob: 0 never, 1 always, 2 (the default) when
-    :func:`spare_core`). None means: checksum inline, each block right after it was read,
+    :func:`..process.spare_core`). None means: checksum inline, each block right after it was read,
     while it is still in the CPU's cache, which costs less CPU than a hand-off where
     every core is busy copying. CRC32C releases the GIL."""
     global _hasher
@@ -360,6 +341,4 @@ __all__ = [
     "block_size",
     "crc",
     "hashing_thread",
-    "ranks_on_this_host",
-    "spare_core",
 ]
