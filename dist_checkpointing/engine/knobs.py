@@ -222,17 +222,17 @@ METADATA_PARSE_GUARD = Knob(
     0,
     "1: parse a large .metadata in a forked child under a CPU-time limit first; 0: off",
 )
-METADATA_INDEX = Knob(
-    "METADATA_INDEX",
-    1,
-    0,
-    "1: torch_dist saves write a JSON index of .metadata and loads read it; 0: neither",
-)
 METADATA_PARSE_CPU_S = Knob(
     "METADATA_PARSE_CPU_S", 5.0, 1.0, "CPU-seconds a .metadata parse may take (plus per MiB)"
 )
 METADATA_PARSE_CPU_S_PER_MIB = Knob(
     "METADATA_PARSE_CPU_S_PER_MIB", 1.0, 0.0, "CPU-seconds a .metadata parse may add per MiB"
+)
+METADATA_INDEX = Knob(
+    "METADATA_INDEX",
+    1,
+    0,
+    "1: torch_dist saves write a JSON index of .metadata and loads read it; 0: neither",
 )
 
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (

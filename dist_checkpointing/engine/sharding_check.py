@@ -58,32 +58,22 @@ class ShardRecord(NamedTuple):
     is_main: bool
 
 
-_DTYPE_NAMES: dict[object, str] = {}  # str(dtype), computed once per dtype
-
-
 def shard_record(sh: ShardedBase | ShardRecord) -> ShardRecord:
     """The :class:`ShardRecord` of a ShardedTensor or ShardedObject."""
-    if type(sh) is ShardedTensor or (
-        not isinstance(sh, ShardRecord) and isinstance(sh, ShardedTensor)
-    ):
+    if isinstance(sh, ShardRecord):
+        return sh
+    if isinstance(sh, ShardedTensor):
         fr = sh.flattened_range
-        dtype = sh.dtype
-        name = _DTYPE_NAMES.get(dtype)
-        if name is None:
-            name = _DTYPE_NAMES[dtype] = str(dtype)
-        rid = sh.replica_id
         return ShardRecord(
             sh.key,
             True,
-            name,
+            str(sh.dtype),
             tuple(sh.global_shape),
             tuple(sh.global_offset),
             (1,) * sh.prepend_axis_num + tuple(sh.local_shape),
             None if fr is None else (fr.start, fr.stop),
-            rid == 0 if type(rid) is int else is_main_replica(rid),
+            is_main_replica(sh.replica_id),
         )
-    if isinstance(sh, ShardRecord):
-        return sh
     if isinstance(sh, ShardedObject):
         return ShardRecord(
             sh.key,
@@ -225,12 +215,6 @@ def _tiles_exactly(shards: list[tuple[int, ShardRecord]]) -> bool:
     return pos == shape[axis]
 
 
-def _tensor_key_problems(key: str, shards: list[tuple[int, ShardRecord]]) -> list[str]:
-    if _tiles_exactly(shards):
-        return []
-    return _tensor_key_problems_full(key, shards)
-
-
 def _tensor_key_problems_full(key: str, shards: list[tuple[int, ShardRecord]]) -> list[str]:
     """Every problem of one tensor key (the general check, for any layout)."""
     shapes = {(sh.global_shape, sh.dtype) for _, sh in shards}
@@ -311,16 +295,8 @@ def keyed_problems(global_metadata: GlobalMetadata) -> list[KeyProblems]:
         for key in tensors.keys() & objects.keys()
     ]
     for key, shards in tensors.items():
-        if len(shards) == 1:  # the common case of one rank: one whole main block
-            rec = shards[0][1]
-            if (
-                rec.is_main
-                and rec.flat is None
-                and rec.chunk_shape == rec.global_shape
-                and not any(rec.global_offset)
-            ):
-                continue
-        out.append((_SECTION_TENSOR, key, _tensor_key_problems(key, shards)))
+        if not _tiles_exactly(shards):
+            out.append((_SECTION_TENSOR, key, _tensor_key_problems_full(key, shards)))
     for key, shards in objects.items():
         out.append((_SECTION_OBJECT, key, _object_key_problems(key, shards)))
     return [p for p in out if p[2]]

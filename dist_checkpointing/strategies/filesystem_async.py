@@ -268,7 +268,7 @@ class FileSystemWriterAsync(StorageWriter):
             data = metadata_bytes(metadata)  # fast when only storage_meta changed
             # Staged under a save-specific name while the commit protocol runs.
             self.location.atomic_write(METADATA_FILE_NAME, data, sync=self.sync_files)
-            index = encode_index(metadata, data) if knobs.METADATA_INDEX.get() else None
+            index = encode_index(metadata, data)
             if index is not None:  # the same facts without a pickle, for our loads
                 self.location.atomic_write(INDEX_NAME, index, sync=self.sync_files)
         except OSError as exc:

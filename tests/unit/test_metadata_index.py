@@ -34,6 +34,7 @@ from dist_checkpointing.engine.safety.metadata_check import (
     first_overlap,
 )
 from dist_checkpointing.engine.storage import metadata_index as index_module
+from dist_checkpointing.engine.storage.metadata_blob import metadata_bytes
 from dist_checkpointing.engine.storage.metadata_index import (
     INDEX_NAME,
     decode_index,
@@ -456,8 +457,10 @@ def test_any_damage_to_an_index_is_our_error(data: Any) -> None:
 
 def test_a_reused_structure_reencodes_only_the_header(monkeypatch: pytest.MonkeyPatch) -> None:
     md = _two_tensor_metadata()
-    first = encode_index(md, BLOB)
+    md.storage_meta = StorageMeta(checkpoint_id="/first", save_id="s1")
+    first = encode_index(md, metadata_bytes(md))  # as the writer does: pickle, then index
     md.storage_meta = StorageMeta(checkpoint_id="/next", save_id="s2")  # the next save
+    metadata_bytes(md)
 
     def refuse(*args: Any) -> Any:
         raise AssertionError("the entries were encoded again")

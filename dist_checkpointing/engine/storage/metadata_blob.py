@@ -27,8 +27,9 @@ import pickle
 import secrets
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -39,6 +40,7 @@ _FRAME_HEADER_BYTES = 9  # FRAME opcode and an 8-byte little-endian length
 _SHORT_BINUNICODE = 0x8C
 _BINUNICODE = b"X"
 _MAX_TEMPLATES = 8  # metadata objects remembered (one per model being saved, typically)
+T = TypeVar("T")
 
 
 def _str_op(text: str) -> bytes:
@@ -80,17 +82,20 @@ class _Template:
     blob: bytes
     frames: list[tuple[int, int]]
     spots: list[tuple[int, int]]  # where the checkpoint_id and save_id ops lie in blob
+    derived: dict[str, Any] = field(default_factory=dict)  # see derived_from_structure
+
+    def same_structure(self, metadata: Metadata) -> bool:
+        return self.owner() is metadata and all(
+            a is b
+            for a, b in zip(
+                self.fields,
+                (metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data),
+            )
+        )
 
     def matches(self, metadata: Metadata, meta: StorageMeta) -> bool:
         return (
-            self.owner() is metadata
-            and all(
-                a is b
-                for a, b in zip(
-                    self.fields,
-                    (metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data),
-                )
-            )
+            self.same_structure(metadata)
             and self.version == metadata.version
             and self.load_id == meta.load_id
             and self.modules == meta.modules
@@ -179,6 +184,20 @@ def metadata_bytes(metadata: Metadata) -> bytes:
     return template.fill(values)
 
 
+def derived_from_structure(metadata: Metadata, name: str, compute: Callable[[], T]) -> T:
+    """``compute()``, a function of ``metadata``'s entries only (not of ``storage_meta``),
+    kept beside the pickle template of :func:`metadata_bytes` and reused while that
+    template is (e.g. the JSON index's entries); computed afresh where there is none."""
+    with _lock:
+        template = _templates.get(id(metadata))
+    if template is None or not template.same_structure(metadata):
+        return compute()
+    if name not in template.derived:
+        template.derived[name] = compute()
+    value: T = template.derived[name]
+    return value
+
+
 def _forget(key: int, template: weakref.ref[_Template]) -> None:
     with _lock:
         current = _templates.get(key)
@@ -186,4 +205,4 @@ def _forget(key: int, template: weakref.ref[_Template]) -> None:
             del _templates[key]
 
 
-__all__ = ["PROTOCOL", "metadata_bytes"]
+__all__ = ["PROTOCOL", "derived_from_structure", "metadata_bytes"]

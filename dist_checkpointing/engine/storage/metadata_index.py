@@ -44,8 +44,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import threading
-import weakref
 from itertools import repeat
 from typing import Any
 
@@ -67,6 +65,7 @@ from ..process import gc_paused
 from ..safety.metadata_check import CheckTooCostly, check_metadata
 from .checksums import crc
 from .location import CheckpointDir
+from .metadata_blob import derived_from_structure
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +94,15 @@ class _Inexpressible(Exception):
 
 def encode_index(metadata: Metadata, metadata_bytes: bytes) -> bytes | None:
     """The index of ``metadata`` (pickled as ``metadata_bytes``), or None when it holds
-    something the index cannot express exactly (logged at debug level).
+    something the index cannot express exactly (logged at debug level) or the
+    ``METADATA_INDEX`` knob is off.
 
-    The entries part is kept for the next call with the same ``metadata`` object: a save
-    that reuses the previous structure re-encodes only the header (the same contract as
-    :mod:`.metadata_blob`: those objects are not mutated in place once written).
+    The entries part is kept with the pickle template of ``metadata``
+    (:func:`.metadata_blob.derived_from_structure`): a save that reuses the previous
+    structure re-encodes only the header.
     """
+    if not knobs.METADATA_INDEX.get():
+        return None
     attrs = vars(metadata)
     try:
         unknown = set(attrs) - _FIELDS - {"mcore_data"}
@@ -124,20 +126,16 @@ def encode_index(metadata: Metadata, metadata_bytes: bytes) -> bytes | None:
 
 
 _SEPARATORS = (",", ":")
-_MAX_BODIES = 8  # metadata objects remembered (one per model being saved, typically)
-_bodies: dict[int, tuple[weakref.ref[Metadata], tuple[object, ...], str]] = {}
-_bodies_lock = threading.Lock()
 
 
 def _cached_body(metadata: Metadata) -> str:
-    """``"entries":...,"files":...,"items":...,"mcore_data":...`` of ``metadata``, reused
-    while its fields are the very objects it was made from."""
+    """``"entries":...,"files":...,"items":...,"mcore_data":...`` of ``metadata``, kept
+    with its pickle template (a save that reuses its structure encodes only the header)."""
+    return derived_from_structure(metadata, "json index body", lambda: _body(metadata))
+
+
+def _body(metadata: Metadata) -> str:
     attrs = vars(metadata)
-    fields = (metadata.state_dict_metadata, metadata.storage_data, attrs.get("mcore_data"))
-    with _bodies_lock:
-        hit = _bodies.get(id(metadata))
-    if hit is not None and hit[0]() is metadata and all(a is b for a, b in zip(hit[1], fields)):
-        return hit[2]
     files: dict[str, int] = {}
     items = [_item(index, info, files) for index, info in (metadata.storage_data or {}).items()]
     body = {
@@ -146,13 +144,7 @@ def _cached_body(metadata: Metadata) -> str:
         "items": items,
         "mcore_data": _mcore(attrs.get("mcore_data", None), "mcore_data" in attrs),
     }
-    text = json.dumps(body, separators=_SEPARATORS)[1:-1]
-    with _bodies_lock:
-        while len(_bodies) >= _MAX_BODIES:
-            del _bodies[next(iter(_bodies))]
-        _bodies[id(metadata)] = (weakref.ref(metadata), fields, text)
-    weakref.finalize(metadata, _bodies.pop, id(metadata), None)
-    return text
+    return json.dumps(body, separators=_SEPARATORS)[1:-1]
 
 
 def _entry(key: str, md: object) -> list[Any]:

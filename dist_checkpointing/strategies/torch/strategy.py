@@ -367,7 +367,7 @@ class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
         # replace_files). Without a new index, an old one no longer matches: ignored.
         blob = pickle.dumps(new)
         files = {METADATA_FNAME: blob}
-        index = encode_index(new, blob) if knobs.METADATA_INDEX.get() else None
+        index = encode_index(new, blob)
         if index is not None:
             files[METADATA_INDEX_NAME] = index
         commit.replace_files(ckpt, files, unused)
