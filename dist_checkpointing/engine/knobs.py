@@ -15,6 +15,9 @@ RESULTS_TIMEOUT_S              10.0       wait for a finished writer's results a
 READ_WINDOW_BYTES              16777216   largest read that serves several small items
 READ_SMALL_ITEM_BYTES          1048576    items below this are read through a window
 READ_MAX_GAP_BYTES             262144     largest gap between items merged into one read
+READ_THREADS                   0          local data files a rank reads at once, each on
+                                          its own thread (0: half the rank's share of the
+                                          host's cores, at least 1, at most 4)
 INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
 ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
 ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent
@@ -125,6 +128,12 @@ READ_SMALL_ITEM_BYTES = Knob(
 )
 READ_MAX_GAP_BYTES = Knob(
     "READ_MAX_GAP_BYTES", 256 << 10, 0, "largest gap between items merged into one read"
+)
+READ_THREADS = Knob(
+    "READ_THREADS",
+    0,
+    0,
+    "local data files a rank reads at once (0: half its share of the cores, 1 to 4)",
 )
 INTEGRITY_CHUNK_BYTES = Knob("INTEGRITY_CHUNK_BYTES", 8 << 20, 1, "read size when digesting")
 ASYNC_POLL_INTERVAL_S = Knob(
@@ -242,6 +251,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     READ_WINDOW_BYTES,
     READ_SMALL_ITEM_BYTES,
     READ_MAX_GAP_BYTES,
+    READ_THREADS,
     INTEGRITY_CHUNK_BYTES,
     ASYNC_POLL_INTERVAL_S,
     ASYNC_WORKER_IDLE_CHECK_S,
@@ -282,6 +292,7 @@ __all__ = [
     "READ_WINDOW_BYTES",
     "READ_SMALL_ITEM_BYTES",
     "READ_MAX_GAP_BYTES",
+    "READ_THREADS",
     "INTEGRITY_CHUNK_BYTES",
     "ASYNC_POLL_INTERVAL_S",
     "ASYNC_WORKER_IDLE_CHECK_S",

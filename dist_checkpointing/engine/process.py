@@ -6,8 +6,9 @@ re-imported and arguments need not be picklable; else ``spawn``; the persistent
 async worker is forked, or a fresh interpreter, see :mod:`.async_save.worker`) and report their
 errors one way (:func:`traceback_text`, :func:`format_current_exception`,
 bounded by :func:`truncate_text`); the parent describes a child that died
-without reporting with :func:`describe_exit`. How many ranks share the host, and whether
-a core is left for a helper thread: :func:`ranks_on_this_host`, :func:`spare_core`.
+without reporting with :func:`describe_exit`. How many ranks share the host, each rank's
+share of its cores, and whether a core is left for a helper thread:
+:func:`ranks_on_this_host`, :func:`cores_per_rank`, :func:`spare_core`.
 """
 
 from __future__ import annotations
@@ -118,11 +119,21 @@ def ranks_on_this_host() -> int:
     return 1
 
 
-def spare_core() -> bool:
-    """Whether this host has more CPU cores available to this process than it has ranks:
-    only then does a helper thread run beside the main work instead of taking its turn."""
+def cores_available() -> int:
+    """The CPU cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return cores > ranks_on_this_host()
+        return os.cpu_count() or 1
+
+
+def cores_per_rank() -> int:
+    """This rank's share of the host's cores (at least 1)."""
+    return max(1, cores_available() // ranks_on_this_host())
+
+
+def spare_core(busy: int = 1) -> bool:
+    """Whether this host has more CPU cores available to this process than its ranks keep
+    busy, each with ``busy`` threads: only then does a helper thread run beside the main
+    work instead of taking its turn."""
+    return cores_available() > ranks_on_this_host() * busy

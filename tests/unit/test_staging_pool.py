@@ -158,6 +158,25 @@ def test_a_streamed_tensor_item_is_what_torch_save_writes(dtype: torch.dtype) ->
     assert ours.getvalue() == expected.getvalue() and n == len(expected.getvalue())
 
 
+@pytest.mark.parametrize("parallel_crc", [True, False], ids=["crc-thread", "crc-inline"])
+def test_streamed_pieces_checksummed_beside_the_write(
+    monkeypatch: pytest.MonkeyPatch, parallel_crc: bool
+) -> None:
+    """Pieces large enough for the CRC thread (each continuing the previous piece's CRC)
+    and a short last piece: the bytes are torch.save's, CRC-32 included."""
+    monkeypatch.setattr(item_writer, "_PARALLEL_CRC_BYTES", KIB)
+    monkeypatch.setattr(item_writer, "_CHUNK_BYTES", 300)
+    monkeypatch.setattr(item_writer, "_spare_cores", lambda: parallel_crc)
+    t = torch.arange(5 * KIB // 4 + 7, dtype=torch.float32)
+    expected = io.BytesIO()
+    torch.save(t, expected)
+    pool = StagingPool(budget_bytes=2 * KIB, buffer_bytes=KIB, pinned=False)
+    ours = io.BytesIO()
+    pieces = (c.view for c in CopyAhead(pool, [byte_view(t)]))
+    assert item_writer.write_tensor_streamed(ours, t, pieces) == len(expected.getvalue())
+    assert ours.getvalue() == expected.getvalue()
+
+
 def test_a_streamed_view_is_written_like_its_compact_copy() -> None:
     base = torch.arange(100, dtype=torch.float32)
     view = base[10:30]

@@ -1,6 +1,8 @@
 """Reading the bytes a load plans (:mod:`.load_plan`) from ``raw_bytes`` data files.
 
-Reads of one file are sorted by offset; neighbours (separated by at most
+Files are read one after another, or several at once where the storage says so
+(``parallel_reads``: the ``READ_THREADS`` knob on a local file system). Reads of one file
+are sorted by offset; neighbours (separated by at most
 ``READ_MAX_GAP_BYTES``) go into one ``os.preadv`` call of up to 1,024 buffers,
 each buffer the destination itself (a contiguous CPU tensor, a slice of a flat
 block being assembled, or a staging buffer), so tensor bytes are copied once,
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +84,7 @@ class RawReader:
         self.max_gap = knobs.READ_MAX_GAP_BYTES.get()
         self._crcs: list[int] = index.crcs.tolist() if self.verify else []
         self._crc_start: list[int] = index.columns["crc_start"]
+        self._readers = 1  # files read at once by this run
 
     def run(self, reads: Sequence[Read]) -> None:
         by_file: dict[int, list[Read]] = {}
@@ -93,8 +96,18 @@ class RawReader:
                 by_file[f] = [r]
             else:
                 group.append(r)
-        for f in sorted(by_file):
-            self._run_file(f, by_file[f])
+        order = sorted(by_file)
+        threads = self._readers = max(1, min(self.ckpt.fs.parallel_reads(), len(order)))
+        if threads <= 1:
+            for f in order:
+                self._run_file(f, by_file[f])
+            return
+        # Several files at once, each on its own thread (the copies release the GIL);
+        # every file is finished before the first failure, in file order, is raised.
+        with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-read") as pool:
+            jobs = [pool.submit(self._run_file, f, by_file[f]) for f in order]
+        for job in jobs:
+            job.result()
 
     def _run_file(self, f: int, reads: list[Read]) -> None:
         name = self.index.files[f]
@@ -121,7 +134,7 @@ class RawReader:
         landed: inline, or on the hashing thread while the next bytes are read (see
         :func:`~..storage.checksums.hashing_thread`); returns those pending checks."""
         checks: list[Future[None]] = []
-        hasher = hashing_thread() if self.verify else None
+        hasher = hashing_thread(self._readers) if self.verify else None
         # A batch of small items is cut at this size: on the thread, so that its check
         # overlaps the next batch's read; inline, so that it checks bytes in the cache.
         batch_limit = _LARGE // 2 if hasher else _CACHE_BYTES

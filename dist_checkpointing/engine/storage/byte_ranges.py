@@ -38,6 +38,7 @@ class DataFile:
         self.window_start = 0
         self.window = memoryview(b"")
         self.window_address = 0  # address of the window's first byte
+        self.readers = 1  # data files the load reads at once (see checksums.hashing_thread)
 
     def check_range(self, offset: int, length: int, read_item: ReadItem) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -229,7 +230,7 @@ class ItemBytes:
         directory, are completed from the item's edges already read (not read again)."""
         assert self.verifier is not None
         size, n = self.verifier.block_bytes, len(view)
-        hasher = hashing_thread() if n > size and not transient else None
+        hasher = hashing_thread(self.file.readers) if n > size and not transient else None
         # With the hashing thread, read several blocks per piece (fewer hand-offs).
         span = size * (_BLOCKS_PER_PIECE if hasher else 1)
         pos = 0

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 import crc32c as _crc32c
 
 from .. import knobs
-from ..process import spare_core
+from ..process import cores_per_rank, spare_core
 
 ALGORITHM = "crc32c"
 
@@ -60,19 +60,22 @@ def _forget_hasher() -> None:  # a forked child has the executor but not its thr
 os.register_at_fork(after_in_child=_forget_hasher)
 
 
-def hashing_thread() -> ThreadPoolExecutor | None:
-    """The thread that checksums blocks of large reads while the reader reads the next
-    block (the ``CHECKSUM_THREAD`` knob: 0 never, 1 always, 2 (the default) when
-    :func:`..process.spare_core`). None means: checksum inline, each block right after it was read,
-    while it is still in the CPU's cache, which costs less CPU than a hand-off where
-    every core is busy copying. CRC32C releases the GIL."""
+def hashing_thread(readers: int = 1) -> ThreadPoolExecutor | None:
+    """The threads that checksum blocks of large reads while the reader reads the next
+    block (the ``CHECKSUM_THREAD`` knob: 0 never, 1 always, 2 (the default) when the host
+    has a core beyond the ``readers`` threads each rank reads with, see
+    :func:`..process.spare_core`). None means: checksum inline, each block right after it
+    was read, while it is still in the CPU's cache, which costs less CPU than a hand-off
+    where every core is busy copying. CRC32C releases the GIL, so the pool's threads (up
+    to 4, one core of the rank's share left to the reader) hash blocks side by side."""
     global _hasher
     mode = knobs.CHECKSUM_THREAD.get()
-    if mode == 0 or (mode >= 2 and not spare_core()):
+    if mode == 0 or (mode >= 2 and not spare_core(readers)):
         return None
     with _hasher_lock:
         if _hasher is None:
-            _hasher = ThreadPoolExecutor(1, thread_name_prefix="dist-ckpt-crc32c")
+            workers = max(1, min(4, cores_per_rank() - 1))
+            _hasher = ThreadPoolExecutor(workers, thread_name_prefix="dist-ckpt-crc32c")
         return _hasher
 
 

@@ -15,7 +15,6 @@ import ctypes
 import functools
 import io
 import logging
-import os
 import threading
 import zlib
 from collections.abc import Iterable
@@ -23,6 +22,7 @@ from typing import BinaryIO
 
 import torch
 
+from ..process import cores_per_rank
 from .item_template import _MAX_FAST_BYTES, _itemsize, _record_name_hash, _template, _tensor_pickle
 
 logger = logging.getLogger(__name__)
@@ -59,37 +59,43 @@ def write_tensor(stream: BinaryIO, tensor: torch.Tensor, compute_crc: bool | Non
     pickled = _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     template = _template(pickled, len(data), compute_crc)
     stream.write(template.head)
-    if not compute_crc:
-        crc = 0
-        stream.write(data)
-    elif len(data) >= _PARALLEL_CRC_BYTES and _spare_cores():
-        crc = _write_with_parallel_crc(stream, data)
-    else:
-        crc = 0
-        for start in range(0, len(data), _CACHE_CHUNK_BYTES):
-            # Checksum a piece, then write it while it is still in the CPU cache.
-            piece = data[start : start + _CACHE_CHUNK_BYTES]
-            crc = zlib.crc32(piece, crc)
-            stream.write(piece)
+    crc = _write_checksummed(stream, data, 0, compute_crc)
     tail = template.tail(crc)
     stream.write(tail)
     return len(template.head) + len(data) + len(tail)
 
 
+def _write_checksummed(
+    stream: BinaryIO, data: memoryview | bytes, crc: int, compute_crc: bool
+) -> int:
+    """Write ``data``; return the CRC-32 continued from ``crc`` over it (0 without
+    ``compute_crc``). A large piece is checksummed on another thread while it is written,
+    where the rank has cores to spare; else piece by piece, each written while it is
+    still in the CPU cache."""
+    if not compute_crc:
+        stream.write(data)
+        return 0
+    if len(data) >= _PARALLEL_CRC_BYTES and _spare_cores():
+        return _write_with_parallel_crc(stream, data, crc)
+    for start in range(0, len(data), _CACHE_CHUNK_BYTES):
+        piece = data[start : start + _CACHE_CHUNK_BYTES]
+        crc = zlib.crc32(piece, crc)
+        stream.write(piece)
+    return crc
+
+
 @functools.cache
 def _spare_cores() -> bool:
-    """Whether this process may use enough cores to checksum in a separate thread."""
-    try:
-        return len(os.sched_getaffinity(0)) >= 4
-    except AttributeError:  # platforms without sched_getaffinity
-        return (os.cpu_count() or 1) >= 4
+    """Whether this rank may use enough cores to checksum in a separate thread (each of
+    its writer threads with a helper beside it)."""
+    return cores_per_rank() >= 4
 
 
-def _write_with_parallel_crc(stream: BinaryIO, data: memoryview | bytes) -> int:
+def _write_with_parallel_crc(stream: BinaryIO, data: memoryview | bytes, crc: int) -> int:
     """Write ``data`` in pieces while another thread computes its CRC-32 (both release
     the GIL), so the checksum costs no extra time when writing is the bottleneck."""
     result: list[int] = []
-    worker = threading.Thread(target=lambda: result.append(zlib.crc32(data)), daemon=True)
+    worker = threading.Thread(target=lambda: result.append(zlib.crc32(data, crc)), daemon=True)
     worker.start()
     try:
         for start in range(0, len(data), _CHUNK_BYTES):
@@ -131,12 +137,8 @@ def write_tensor_streamed(
     template = _template(pickled, nbytes, compute_crc)
     stream.write(template.head)
     crc = written = 0
-    for piece in pieces:
-        for start in range(0, len(piece), _CACHE_CHUNK_BYTES):
-            part = piece[start : start + _CACHE_CHUNK_BYTES]
-            if compute_crc:
-                crc = zlib.crc32(part, crc)
-            stream.write(part)
+    for piece in pieces:  # each piece is checksummed before the next is asked for
+        crc = _write_checksummed(stream, piece, crc, compute_crc)
         written += len(piece)
     if written != nbytes:
         raise ValueError(f"staged {written} bytes of a tensor of {nbytes} bytes")

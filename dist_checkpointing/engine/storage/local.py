@@ -12,6 +12,7 @@ from typing import BinaryIO
 
 from ...errors import UnsafeCheckpointError
 from .. import knobs
+from ..process import cores_per_rank
 from .base import FileSystemIO, ReadStream
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,12 @@ class LocalFileSystem(FileSystemIO):
         # (Python's BufferedWriter copies only writes that fit).
         buffering = knobs.WRITE_BUFFER_BYTES.get()
         return open(fd, "wb", buffering=buffering)  # noqa: SIM115 - caller closes
+
+    def parallel_reads(self) -> int:
+        # Reading from the page cache is a copy by the kernel, a few GB/s per thread:
+        # a rank with cores of its own reads several files at once (up to 4, about what
+        # the memory bus takes), each thread checksumming what it read.
+        return knobs.READ_THREADS.get() or min(4, cores_per_rank())
 
     def open_read(self, path: str) -> ReadStream:
         # Unbuffered: reads go straight into the caller's buffers (no extra copy).

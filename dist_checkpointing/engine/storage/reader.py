@@ -62,6 +62,11 @@ def metadata_source(location: CheckpointDir) -> str:
     return location.path(METADATA_FILE_NAME) if read is None else str(read.source)
 
 
+# From a local file system, several data files are read at once only where the items
+# are this large on average (see FileSystemReader._threads_for).
+_LARGE_ITEM_BYTES = 1 << 20
+
+
 class FileSystemReader(StorageReader):
     """Reads a DCP checkpoint from a local directory.
 
@@ -74,7 +79,9 @@ class FileSystemReader(StorageReader):
 
     Args:
         path: the checkpoint directory.
-        thread_count: data files read in parallel (planner calls stay serialized).
+        thread_count: data files read in parallel at least (planner calls stay
+            serialized); the storage may read more at once (``parallel_reads``: the
+            ``READ_THREADS`` knob on a local file system, ``MSC_READ_THREADS`` on msc://).
         fast_path: parse tensor items and read only the needed bytes; with False
             every tensor item is loaded with ``torch.load`` (as torch's reader does).
     """
@@ -94,6 +101,7 @@ class FileSystemReader(StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self._names: dict[Any, str] = {}  # relative_path -> checked file name
         self.load_id = str(uuid.uuid4())
+        self._readers = 1  # data files read_data reads at once
 
     def _metadata_path(self) -> str:
         return metadata_source(self.location)
@@ -183,10 +191,10 @@ class FileSystemReader(StorageReader):
                 self._names[info.relative_path] = name
             per_file.setdefault(name, []).append((read_item, info))
         lock: AbstractContextManager[Any] = nullcontext()
-        threads = max(self.thread_count, self.fs.parallel_reads())
-        if threads > 1 and len(per_file) > 1:
+        threads = self._readers = self._threads_for(per_file)
+        if threads > 1:
             lock = threading.Lock()
-            with ThreadPoolExecutor(min(threads, len(per_file))) as pool:
+            with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-read") as pool:
                 jobs = [
                     pool.submit(self._read_file, rel, items, planner, lock)
                     for rel, items in per_file.items()
@@ -199,6 +207,21 @@ class FileSystemReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _threads_for(self, per_file: dict[str, list[tuple[ReadItem, Any]]]) -> int:
+        """Data files to read at once: ``thread_count``, or more where the storage says
+        so (``parallel_reads``). From a local file system, only where the items are
+        large (1 MiB on average): reading those is a copy by the kernel, which threads
+        share out; reading many small ones is mostly Python (each item's zip framing),
+        at which threads only take turns. Object stores read several files at once
+        whatever the items, to hide each request's latency."""
+        threads = max(self.thread_count, self.fs.parallel_reads())
+        if threads > self.thread_count and not self.fs.sequential_reads:
+            count = sum(len(items) for items in per_file.values())
+            nbytes = sum(info.length for items in per_file.values() for _, info in items)
+            if nbytes < count * _LARGE_ITEM_BYTES:
+                threads = self.thread_count
+        return max(1, min(threads, len(per_file)))
 
     @property
     def checkpoint_id(self) -> str:
@@ -227,6 +250,7 @@ class FileSystemReader(StorageReader):
         stream, size = self.location.open_data_file(relative_path, keys, spans)
         with stream:
             file = DataFile(stream, path, size, self.fs.read_limits())
+            file.readers = self._readers
             for read_item, info in items:
                 file.check_range(info.offset, info.length, read_item)
             # Each item is verified after the next one is read, so that the hashing
