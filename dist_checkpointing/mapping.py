@@ -290,6 +290,27 @@ class ShardedTensor(ShardedBase):
         if isinstance(grid, str):
             raise MappingError(f"ShardedTensor '{key}': {grid}")
         global_shape, global_offset, fragmentations = grid
+        if cls is ShardedTensor and not init_kwargs and prepend_axis_num >= 0:
+            if not isinstance(key, str) or not key:
+                raise MappingError(f"ShardedTensor key must be a non-empty str, got {key!r}")
+            # The block is consistent by construction (data gives dtype and local shape,
+            # the grid was checked above): what __post_init__ would check holds, and
+            # models build one of these per parameter on every save.
+            out = object.__new__(cls)
+            out.__dict__.update(
+                key=key,
+                data=data,
+                dtype=data.dtype,
+                local_shape=tuple(data.shape),
+                global_shape=global_shape,
+                global_offset=global_offset,
+                axis_fragmentations=fragmentations,
+                replica_id=replica_id,
+                prepend_axis_num=prepend_axis_num,
+                allow_shape_mismatch=False,
+                flattened_range=None,
+            )
+            return out
         return cls(
             key,
             data,

@@ -286,7 +286,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         """
         self._require(False, "copy_tensors_to_cpu")
         for position, sh, data in self._held():
-            if data.device.type == "cpu":
+            if data.is_cpu:
                 if position not in self._orig_devices:
                     sh.data = data.clone()
             else:

@@ -75,7 +75,7 @@ def tensor_ranges(min_bytes: int = MIN_RANGE_BYTES) -> tuple[list[tuple[int, int
         if not hit:
             continue
         try:
-            if obj.device.type != "cpu" or obj.layout != torch.strided:
+            if not obj.is_cpu or obj.layout != torch.strided:
                 continue
             storage = obj.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()

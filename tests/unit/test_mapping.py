@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dist_checkpointing.dict_utils import dict_list_map_outplace, extract_matching_values
 from dist_checkpointing.errors import CheckpointingException, MappingError
@@ -713,3 +715,56 @@ def test_local_nonpersistent_object() -> None:
 )
 def test_is_main_replica(replica_id: Any, main: bool) -> None:
     assert is_main_replica(replica_id) is main
+
+
+@st.composite
+def _grid_blocks(draw: Any) -> tuple[tuple[int, ...], list[tuple[int, int, int]], int]:
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
+    prepend = draw(st.integers(0, 2))
+    ndim = len(shape) + prepend
+    axes = draw(st.lists(st.integers(0, max(ndim - 1, 0)), unique=True, max_size=ndim))
+    offsets = []
+    for axis in axes if ndim else []:
+        frag = draw(st.integers(1, 4))
+        offsets.append((axis, draw(st.integers(0, frag - 1)), frag))
+    return shape, offsets, prepend
+
+
+@settings(max_examples=200, deadline=None)
+@given(_grid_blocks(), st.sampled_from([0, 1, (0, 2)]))
+def test_from_rank_offsets_builds_what_the_checked_constructor_builds(
+    block: tuple[tuple[int, ...], list[tuple[int, int, int]], int], replica_id: Any
+) -> None:
+    """from_rank_offsets skips __post_init__'s checks (the grid makes them hold): the
+    object must be the one the checked constructor builds, and pass those checks."""
+    shape, offsets, prepend = block
+    data = torch.zeros(shape, dtype=torch.bfloat16)
+    fast = ShardedTensor.from_rank_offsets(
+        "k", data, *offsets, replica_id=replica_id, prepend_axis_num=prepend
+    )
+    checked = ShardedTensor(
+        "k",
+        data,
+        data.dtype,
+        fast.local_shape,
+        fast.global_shape,
+        fast.global_offset,
+        fast.axis_fragmentations,
+        replica_id,
+        prepend,
+    )
+    assert fast.__dict__.keys() == checked.__dict__.keys()
+    for name, value in checked.__dict__.items():
+        got = fast.__dict__[name]
+        assert got is value if name == "data" else (got == value and type(got) is type(value))
+    fast.validate_metadata_integrity()
+    assert fast.local_shape == tuple(shape)
+    for axis, rank_offset, frag in offsets:
+        local = 1 if axis < prepend else shape[axis - prepend]
+        assert fast.global_shape[axis] == frag * local
+        assert fast.global_offset[axis] == rank_offset * local
+
+
+def test_from_rank_offsets_still_refuses_a_bad_key() -> None:
+    with pytest.raises(MappingError, match="non-empty str"):
+        ShardedTensor.from_rank_offsets("", torch.zeros(2), (0, 0, 1))

@@ -223,7 +223,7 @@ class ArenaPickler(ForkingPickler):
         self._retire_sent = False
 
     def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+        if not isinstance(obj, torch.Tensor) or not obj.is_cpu:
             return NotImplemented
         if obj.layout != torch.strided:
             return NotImplemented

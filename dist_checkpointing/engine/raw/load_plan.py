@@ -58,7 +58,7 @@ def _host_view(
     data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor | None:
     """``data`` viewed as ``shape`` if reads may land in it directly."""
-    if data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous():
+    if not data.is_cpu or data.dtype != dtype or not data.is_contiguous():
         return None
     return data.view(shape)
 

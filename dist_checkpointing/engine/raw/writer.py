@@ -259,7 +259,7 @@ def _write_file(
         batch_at = batch_bytes = 0
         chunks = _device_chunks(items)
         for offset, size, data in items:
-            on_device = size and isinstance(data, torch.Tensor) and data.device.type != "cpu"
+            on_device = size and isinstance(data, torch.Tensor) and not data.is_cpu
             if on_device or (fd is not None and size > _PIECE):
                 # Large or on a device: checksummed and written piece by piece.
                 if fd is None:
@@ -326,7 +326,7 @@ def _device_chunks(items: list[tuple[int, int, Any]]) -> Generator[Chunk, None, 
     sources = [
         byte_view(data.contiguous())
         for _, size, data in items
-        if size and isinstance(data, torch.Tensor) and data.device.type != "cpu"
+        if size and isinstance(data, torch.Tensor) and not data.is_cpu
     ]
     if not sources:
         return None

@@ -113,7 +113,7 @@ def _prepare_tensor(t: torch.Tensor) -> torch.Tensor:
     """Detach; copy CPU views so that only the chunk's bytes are saved."""
     if t.requires_grad or type(t) is not torch.Tensor:
         t = t.detach()  # a plain tensor needs no new view (microseconds per item)
-    if t.device.type == "cpu" and not _is_whole_storage(t):
+    if t.is_cpu and not _is_whole_storage(t):
         return t.clone(memory_format=torch.contiguous_format)
     return t
 

@@ -80,7 +80,7 @@ class StagingStep(ABC):
 
 
 def _needs_copy(slot: TensorSlot, tensor: torch.Tensor) -> bool:
-    return tensor.device.type != "cpu" or slot.required
+    return not tensor.is_cpu or slot.required
 
 
 def stage_slots(slots: list[TensorSlot]) -> None:
