@@ -38,7 +38,7 @@ step checksum_rb_big_2 70 torchrun --standalone --nproc_per_node=2 bench/checksu
 # Issue 11: microseconds per tensor on a current CPU core.
 step raw_bytes_speed_1 60 torchrun --standalone --nproc_per_node=1 bench/raw_bytes_speed.py --cases small --repeat 5
 # The table on 1, 2 and 4 ranks with a core per rank (the 100,000-tensor case left out).
-step table 240 python3 bench/table.py --ranks 1,2,4 --cases big,mid --timeout 150 \
+step table 240 python3 bench/table.py --ranks 1,2,4 --cases big,mid --timeout 110 \
     --json "$OUT/table.json"
 # Then, as far as the budget goes:
 step checksum_td_mid_2 90 torchrun --standalone --nproc_per_node=2 bench/checksum_overlap.py --layout torch_dist --case mid --repeat 4
