@@ -99,6 +99,33 @@ def test_cuda_state_round_trips_into_cuda_targets(
     assert run_distributed(round_trip, 2, str(tmp_path), layout, timeout=TIMEOUT_S) == [[], []]
 
 
+def _load_after_work_on_a_side_stream(ckpt: str, layout: str) -> list[str]:
+    """The caller's current stream has pending work on the targets (a long kernel, then a
+    fill) when it loads, reading two files at once: every copy to the device, made in the
+    reading threads, must come after that work, as it would in the caller's thread."""
+    os.environ["DIST_CKPT_READ_THREADS"] = "2"
+    dc.save(_state(axis=0), ckpt, dc.get_default_save_sharded_strategy(layout, 1))
+    request = _state(axis=0, fill=0.0)
+    side = torch.cuda.Stream(_device())
+    side.wait_stream(torch.cuda.current_stream(_device()))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of pending work on the caller's stream
+        for sh in request.values():
+            assert sh.data is not None
+            sh.data.fill_(float("nan"))
+        loaded = dc.load(request, ckpt)
+    side.synchronize()
+    return _mismatches(loaded, axis=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_load_follows_the_callers_stream(tmp_path: Path, layout: str) -> None:
+    result = run_distributed(
+        _load_after_work_on_a_side_stream, 2, str(tmp_path), layout, timeout=TIMEOUT_S
+    )
+    assert result == [[], []]
+
+
 def _damaged_then_load_in_pieces(ckpt: str, layout: str) -> str:
     """A byte flipped in the middle of the largest data file: the load into CUDA
     targets, chunk by chunk through the staging buffers, must refuse it."""

@@ -84,7 +84,7 @@ class RawReader:
         self.max_gap = knobs.READ_MAX_GAP_BYTES.get()
         self._crcs: list[int] = index.crcs.tolist() if self.verify else []
         self._crc_start: list[int] = index.columns["crc_start"]
-        self._readers = 1  # files read at once by this run
+        self._readers = 1  # threads of this run that keep a core busy reading
 
     def run(self, reads: Sequence[Read]) -> None:
         by_file: dict[int, list[Read]] = {}
@@ -97,7 +97,10 @@ class RawReader:
             else:
                 group.append(r)
         order = sorted(by_file)
-        threads = self._readers = max(1, min(self.ckpt.fs.parallel_reads(), len(order)))
+        threads = max(1, min(self.ckpt.fs.parallel_reads(), len(order)))
+        # Threads reading a local disk each keep a core busy copying; an object store's
+        # mostly wait for the network (see checksums.hashing_thread).
+        self._readers = 1 if self.ckpt.fs.sequential_reads else threads
         if threads <= 1:
             for f in order:
                 self._run_file(f, by_file[f])

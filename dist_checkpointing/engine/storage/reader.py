@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
@@ -62,6 +62,16 @@ def metadata_source(location: CheckpointDir) -> str:
     return location.path(METADATA_FILE_NAME) if read is None else str(read.source)
 
 
+def _callers_stream() -> Callable[[], AbstractContextManager[Any]]:
+    """A context that makes the caller's current CUDA stream current in a reading thread
+    (threads start on the default stream): copies to the device made there then follow
+    the caller's pending work on its stream, as they would in the caller's own thread."""
+    if not torch.cuda.is_initialized():
+        return nullcontext
+    stream = torch.cuda.current_stream()
+    return functools.partial(torch.cuda.stream, stream)
+
+
 # From a local file system, several data files are read at once only where the items
 # are this large on average (see FileSystemReader._threads_for).
 _LARGE_ITEM_BYTES = 1 << 20
@@ -101,7 +111,7 @@ class FileSystemReader(StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self._names: dict[Any, str] = {}  # relative_path -> checked file name
         self.load_id = str(uuid.uuid4())
-        self._readers = 1  # data files read_data reads at once
+        self._readers = 1  # threads of read_data that keep a core busy reading
 
     def _metadata_path(self) -> str:
         return metadata_source(self.location)
@@ -191,12 +201,16 @@ class FileSystemReader(StorageReader):
                 self._names[info.relative_path] = name
             per_file.setdefault(name, []).append((read_item, info))
         lock: AbstractContextManager[Any] = nullcontext()
-        threads = self._readers = self._threads_for(per_file)
+        threads = self._threads_for(per_file)
+        # Threads reading a local disk each keep a core busy copying; an object store's
+        # mostly wait for the network (see checksums.hashing_thread).
+        self._readers = 1 if self.fs.sequential_reads else threads
         if threads > 1:
             lock = threading.Lock()
+            on_callers_stream = _callers_stream()
             with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-read") as pool:
                 jobs = [
-                    pool.submit(self._read_file, rel, items, planner, lock)
+                    pool.submit(self._read_file, rel, items, planner, lock, on_callers_stream)
                     for rel, items in per_file.items()
                 ]
                 for job in jobs:
@@ -237,6 +251,17 @@ class FileSystemReader(StorageReader):
     # ----------------------------------------------------------------- per file
 
     def _read_file(
+        self,
+        relative_path: str,
+        items: list[tuple[ReadItem, Any]],
+        planner: LoadPlanner,
+        lock: AbstractContextManager[Any],
+        on_stream: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> None:
+        with on_stream():
+            self._read_items_of(relative_path, items, planner, lock)
+
+    def _read_items_of(
         self,
         relative_path: str,
         items: list[tuple[ReadItem, Any]],
