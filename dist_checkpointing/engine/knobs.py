@@ -16,8 +16,9 @@ READ_WINDOW_BYTES              16777216   largest read that serves several small
 READ_SMALL_ITEM_BYTES          1048576    items below this are read through a window
 READ_MAX_GAP_BYTES             262144     largest gap between items merged into one read
 READ_THREADS                   0          local data files a rank reads at once, each on
-                                          its own thread (0: half the rank's share of the
-                                          host's cores, at least 1, at most 4)
+                                          its own thread (0: the rank's share of the host's
+                                          cores, at most 4; torch_dist only where items
+                                          average 1 MiB or more)
 INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
 ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
 ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent
@@ -133,7 +134,7 @@ READ_THREADS = Knob(
     "READ_THREADS",
     0,
     0,
-    "local data files a rank reads at once (0: half its share of the cores, 1 to 4)",
+    "local data files a rank reads at once (0: its share of the cores, at most 4)",
 )
 INTEGRITY_CHUNK_BYTES = Knob("INTEGRITY_CHUNK_BYTES", 8 << 20, 1, "read size when digesting")
 ASYNC_POLL_INTERVAL_S = Knob(

@@ -38,7 +38,7 @@ class DataFile:
         self.window_start = 0
         self.window = memoryview(b"")
         self.window_address = 0  # address of the window's first byte
-        self.readers = 1  # data files the load reads at once (see checksums.hashing_thread)
+        self.readers = 1  # threads keeping a core busy reading (see checksums.hashing_thread)
 
     def check_range(self, offset: int, length: int, read_item: ReadItem) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
