@@ -262,3 +262,42 @@ def test_the_hashing_thread_runs_only_beside_a_spare_core(
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x4)")  # SLURM's own spelling
     assert process.ranks_on_this_host() == 2 and not process.spare_core()
+
+
+@pytest.mark.parametrize(
+    ("cores", "local_ranks", "knob", "readers", "hashing"),
+    [
+        (2, "1", "", 2, False),  # the development VM: two readers take both cores
+        (2, "2", "", 1, False),
+        (16, "1", "", 4, True),  # at most 4 readers, cores left for hashing
+        (16, "4", "", 4, False),  # 4 cores per rank, all reading
+        (16, "8", "", 2, False),
+        (16, "1", "3", 3, True),  # the knob wins
+    ],
+)
+def test_readers_and_hashing_threads_share_the_ranks_cores(
+    monkeypatch: pytest.MonkeyPatch,
+    cores: int,
+    local_ranks: str,
+    knob: str,
+    readers: int,
+    hashing: bool,
+) -> None:
+    """A load reads up to ``READ_THREADS`` local files at once (by default the rank's
+    share of the cores, at most 4); checksums go to the hashing pool only where the host
+    has cores beyond every rank's readers."""
+    from dist_checkpointing.engine.storage import checksums
+    from dist_checkpointing.engine.storage.local import LocalFileSystem
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    monkeypatch.setenv("DIST_CKPT_READ_THREADS", knob)
+    monkeypatch.delenv("DIST_CKPT_CHECKSUM_THREAD", raising=False)
+    monkeypatch.setattr(checksums, "_hasher", None)
+    assert LocalFileSystem().parallel_reads() == readers
+    pool = checksums.hashing_thread(readers)
+    assert (pool is not None) is hashing
+    if pool is not None:  # one core of the rank's share stays with its reader
+        assert pool._max_workers == max(1, min(4, cores // int(local_ranks) - 1))
+        pool.shutdown()
+    assert checksums.hashing_thread(1) is not None or cores <= int(local_ranks)
