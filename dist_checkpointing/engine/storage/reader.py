@@ -208,11 +208,13 @@ class FileSystemReader(StorageReader):
         if threads > 1:
             lock = threading.Lock()
             on_callers_stream = _callers_stream()
+
+            def read_file(rel: str, items: list[tuple[ReadItem, Any]]) -> None:
+                with on_callers_stream():
+                    self._read_file(rel, items, planner, lock)
+
             with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-read") as pool:
-                jobs = [
-                    pool.submit(self._read_file, rel, items, planner, lock, on_callers_stream)
-                    for rel, items in per_file.items()
-                ]
+                jobs = [pool.submit(read_file, rel, items) for rel, items in per_file.items()]
                 for job in jobs:
                     job.result()
         else:
@@ -251,17 +253,6 @@ class FileSystemReader(StorageReader):
     # ----------------------------------------------------------------- per file
 
     def _read_file(
-        self,
-        relative_path: str,
-        items: list[tuple[ReadItem, Any]],
-        planner: LoadPlanner,
-        lock: AbstractContextManager[Any],
-        on_stream: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    ) -> None:
-        with on_stream():
-            self._read_items_of(relative_path, items, planner, lock)
-
-    def _read_items_of(
         self,
         relative_path: str,
         items: list[tuple[ReadItem, Any]],
