@@ -78,6 +78,13 @@ class RankGroup:
         return dist.get_global_rank(self.group, group_rank)
 
     @property
+    def members(self) -> tuple[int, ...]:
+        """The global ranks of the group, in group-rank order."""
+        if self.group is None or not dist_active():
+            return tuple(range(self.world))
+        return tuple(dist.get_process_group_ranks(self.group))
+
+    @property
     def coordinator_global_rank(self) -> int:
         """The coordinator's global rank (the ``src``/``dst`` of collectives)."""
         return self.global_rank(self.coordinator)

@@ -416,9 +416,15 @@ class SaveShardedStrategy(SaveStrategyBase):
 
     #: The format's own metadata files (written by the coordinator at finalize).
     commit_files: tuple[str, ...] = ()
-    #: Set by strategies that cache the checkpoint structure: the sharding check is
-    #: skipped (one all-reduce) while no rank's shard records change.
+    #: The digest of this rank's shard records at the last save whose sharding every
+    #: rank validated (:mod:`..engine.sharding_split`): while no rank's records change,
+    #: the sharding check of ``save`` is one all-reduce. Each instance has its own;
+    #: set it to None to check every save.
     validated_structure: ValidatedStructure | None = None
+
+    def __init__(self, backend: str, version: int) -> None:
+        super().__init__(backend, version)
+        self.validated_structure = ValidatedStructure()
 
     @abstractmethod
     def save(

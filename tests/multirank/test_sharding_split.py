@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -19,6 +20,7 @@ from dist_checkpointing.engine.sharding_split import (
 )
 from dist_checkpointing.errors import ShardingError
 from dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from dist_checkpointing.validation import gather_shard_records, local_shard_records
 from tests.support.harness import run_distributed, world_sizes
@@ -73,10 +75,19 @@ def test_split_check_raises_the_single_rank_message_everywhere(world_size: int) 
     assert "'rng': 1 of " in message and "object shards have no main replica" in message
 
 
-def _save_twice_then_break(tmp: str) -> list[Any]:
+def _strategy(kind: str) -> Any:
+    if kind == "cached_metadata":
+        return TorchDistSaveShardedStrategy(cached_metadata=True)
+    if kind == "torch_dist":
+        return TorchDistSaveShardedStrategy()  # the digest is kept without cached_metadata
+    return get_default_save_sharded_strategy("raw_bytes", 1)
+
+
+def _save_twice_then_break(tmp: str, kind: str) -> list[Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    strategy = _strategy(kind)
     assert strategy.validated_structure is not None
+    strategy.validated_structure.digest = None  # a registered default may have saved before
     digests = []
     for i in range(2):
         dc.save(_layout(rank, world, False), f"{tmp}/{i}", strategy)
@@ -100,14 +111,17 @@ def _prepare_dirs(tmp: str) -> None:
     dist.barrier()
 
 
-def _cached_run(tmp: str) -> list[Any]:
+def _cached_run(tmp: str, kind: str) -> list[Any]:
     _prepare_dirs(tmp)
-    return _save_twice_then_break(tmp)
+    return _save_twice_then_break(tmp, kind)
 
 
+@pytest.mark.parametrize("kind", ["cached_metadata", "torch_dist", "raw_bytes"])
 @world_sizes(2)
-def test_cached_structure_skips_only_while_unchanged(world_size: int, tmp_path: Any) -> None:
-    results = run_distributed(_cached_run, world_size, str(tmp_path), timeout=TIMEOUT_S)
+def test_cached_structure_skips_only_while_unchanged(
+    world_size: int, tmp_path: Any, kind: str
+) -> None:
+    results = run_distributed(_cached_run, world_size, str(tmp_path), kind, timeout=TIMEOUT_S)
     for digests, outcome in results:
         assert digests[0] is not None and digests[0] == digests[1]
         assert "'w3': main replicas overlap" in outcome
@@ -153,3 +167,27 @@ def test_all_to_all_delivers_each_rank_its_objects(world_size: int) -> None:
     results = run_distributed(_all_to_all, world_size, timeout=TIMEOUT_S)
     for rank, got in enumerate(results):
         assert got == [(src, rank, "x" * rank * 1000) for src in range(world_size)]
+
+
+def _members_and_digests() -> list[Any]:
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3]), dist.new_group([0, 2])]
+    rec = local_shard_records(_layout(0, 2, False))
+    out: list[Any] = [RankGroup().members]
+    for ranks, group in zip(([0, 1], [2, 3], [0, 2]), pairs):
+        if rank in ranks:
+            g = RankGroup(group)
+            out.append((g.members, structure_digest(rec, g.rank, g.world, g.members)))
+    return out
+
+
+@world_sizes(4)
+def test_the_digest_names_the_group_not_only_its_size(world_size: int) -> None:
+    results = run_distributed(_members_and_digests, world_size, timeout=TIMEOUT_S)
+    assert [r[0] for r in results] == [(0, 1, 2, 3)] * 4
+    # Rank 0 is group rank 0 of 2 in both {0, 1} and {0, 2}: the same records must not
+    # reuse a verdict reached with other partners.
+    (in_01, d_01), (in_02, d_02) = results[0][1], results[0][2]
+    assert (in_01, in_02) == ((0, 1), (0, 2))
+    assert d_01 != d_02
+    assert results[3][1][0] == (2, 3)

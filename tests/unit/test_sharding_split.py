@@ -91,6 +91,14 @@ def test_digest_follows_records_rank_and_world() -> None:
     assert base != structure_digest([rec._replace(global_offset=(2,))], 0, 2)
     assert base != structure_digest([rec], 1, 2)
     assert base != structure_digest([rec], 0, 4)
+    # The group's members: the world by default; another group of the same size differs.
+    assert base == structure_digest([rec], 0, 2, (0, 1))
+    assert base != structure_digest([rec], 0, 2, (0, 2))
+    assert base != structure_digest([rec, rec], 0, 2)
+    # An unhashable field (a list where a tuple belongs) is digested through its pickle.
+    odd = rec._replace(global_shape=[4])  # type: ignore[arg-type]
+    assert structure_digest([odd], 0, 2) == structure_digest([odd], 0, 2)
+    assert structure_digest([odd], 0, 2) != structure_digest([odd], 1, 2)
     assert 0 <= base < 2**63
 
 

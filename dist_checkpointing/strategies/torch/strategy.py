@@ -29,7 +29,6 @@ from ...engine.async_save.request import AsyncRequest
 from ...engine.checkpoint import commit
 from ...engine.raw.index import is_raw_bytes_file
 from ...engine.safety import object_loader
-from ...engine.sharding_split import ValidatedStructure
 from ...engine.storage.bucketing import is_data_file_of
 from ...engine.storage.location import CheckpointDir
 from ...engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
@@ -107,8 +106,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         thread_count: data files (and writer processes) per rank (default: the
             ``SAVE_THREAD_COUNT`` knob, 2).
         cached_metadata: reuse the global plan and metadata of the previous save
-            when every rank's local plan is unchanged (no plan exchange), and skip
-            the sharding check while no rank's shard records change (one all-reduce).
+            when every rank's local plan is unchanged (no plan exchange). (The sharding
+            check is skipped while no rank's shard records change, with or without it:
+            see ``validated_structure``.)
         separation_hint: key prefix whose items go to files of their own.
         cpu_shm_mode: Megatron-Core 0.19's choice of staging GPU tensors in CPU shared
             memory; accepted and kept (``self.cpu_shm_mode``): our writer always stages
@@ -136,8 +136,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.separation_hint = separation_hint
         self.process_group = process_group
         self._cached_structure: CachedStructure | None = None
-        if cached_metadata:
-            self.validated_structure = ValidatedStructure()
 
     commit_files = (METADATA_FNAME, METADATA_INDEX_NAME)
 
