@@ -16,9 +16,12 @@ checks ``O(K_r)`` records; nothing is ``O(W x T)`` on any rank (an all-gather ga
 every rank all ``W x T`` records). A key held by every rank still sends ``W``
 records to its owner.
 
-With a :class:`ValidatedStructure` (kept by a save strategy with cached metadata),
-a rank whose records have the same digest as at the last save every rank validated
-votes "unchanged"; when every rank does (one all-reduce), the check is skipped.
+With a :class:`ValidatedStructure` (every save strategy keeps one:
+``SaveShardedStrategy.validated_structure``), a rank whose records have the same digest
+as at the last save every rank of the same group validated votes "unchanged"; when
+every rank does (one all-reduce), the check is skipped: those records, with those
+partners, passed it. Only a rank whose own records changed groups them by owner before
+the vote. Loads check their request every time.
 """
 
 from __future__ import annotations
