@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from dist_checkpointing.engine.storage import item_reader as tsz
 from dist_checkpointing.engine.storage import local as fs_io
 from dist_checkpointing.engine.storage import reader as fr
+from dist_checkpointing.engine.storage import region_copy
 from dist_checkpointing.engine.storage.item_reader import parse_tensor_item
 from dist_checkpointing.engine.storage.reader import FileSystemReader, read_object_bytes
 from dist_checkpointing.errors import (
@@ -383,7 +384,7 @@ def test_fast_path_reads_only_the_needed_bytes(
 ) -> None:
     ckpt, tensors = saved
     counted = _count_file_reads(monkeypatch)
-    monkeypatch.setattr(fr, "_copy_region_torch_load", _no_fallback)
+    monkeypatch.setattr(region_copy, "copy_region_torch_load", _no_fallback)
     target = torch.zeros(2, 1024)
     _read(ckpt, [("dst", "large", (100, 0), (2, 1024), target)])
     _assert_bit_equal(target, tensors["large"][100:102])
@@ -400,13 +401,13 @@ def test_fallback_to_torch_load_for_strided_items(
     source = _sample((6, 4), torch.float16, seed=5).t()
     dcp.save({"t": source}, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
     calls: list[str] = []
-    original = fr._copy_region_torch_load
+    original = region_copy.copy_region_torch_load
 
     def counting(item: Any, read_item: ReadItem, target: torch.Tensor) -> None:
         calls.append(read_item.dest_index.fqn)
         original(item, read_item, target)
 
-    monkeypatch.setattr(fr, "_copy_region_torch_load", counting)
+    monkeypatch.setattr(region_copy, "copy_region_torch_load", counting)
     target = torch.zeros(2, 3, dtype=torch.float16)
     _read(tmp_path, [("dst", "t", (1, 2), (2, 3), target)])
     _assert_bit_equal(target, source[1:3, 2:5])

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
@@ -29,21 +29,20 @@ from torch.futures import Future
 
 from ..._torch_compat import METADATA_FILE_NAME
 from ...errors import (
-    CheckpointingException,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ..safety import load_metadata, safe_torch_load
+from ..safety import load_metadata
+from . import region_copy
 from .byte_ranges import DataFile, ItemBytes
 from .checksums import BlockVerifier
-from .item_reader import TensorRecord, parse_tensor_item
+from .item_reader import parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
 from .metadata_index import INDEX_NAME, metadata_from_index
 from .resolve import is_url
-from .staging_pool import fill_from_host, shared_pool
 
 logger = logging.getLogger(__name__)
 
@@ -343,12 +342,12 @@ class FileSystemReader(StorageReader):
             except NotFastPath as exc:
                 logger.debug("%s: torch.load fallback (%s)", item.describe(), exc)
         if record is not None:
-            _copy_region(item, record, read_item, target)
+            region_copy.copy_region(item, record, read_item, target)
             if record.tail_check is not None and not record.tail_check():
                 logger.debug("%s: torch.load fallback (unexpected zip directory)", item.describe())
                 record = None
         if record is None:
-            _copy_region_torch_load(item, read_item, target)
+            region_copy.copy_region_torch_load(item, read_item, target)
         with lock:
             planner.commit_tensor(read_item, target)
 
@@ -389,94 +388,6 @@ def read_object_bytes(
         data = bytes(item.read_at(0, info.length))
         item.verify()
     return data, f"{path} (item {key!r} at offset {info.offset})"
-
-
-# --------------------------------------------------------------------------- tensor copies
-
-
-def _check_request(
-    item: ItemBytes, shape: Sequence[int], read_item: ReadItem, target: torch.Tensor
-) -> None:
-    offsets, lengths = read_item.storage_offsets, read_item.lengths
-    if len(offsets) != len(shape) or any(
-        o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)
-    ):
-        raise CorruptCheckpointError(
-            f"{item.describe()} holds a tensor of shape {tuple(shape)}, but the metadata "
-            f"places the requested region at offsets {tuple(offsets)} with lengths "
-            f"{tuple(lengths)}"
-        )
-    if target.shape != lengths:
-        raise CheckpointingException(
-            f"{item.describe()}: the destination tensor for {read_item.dest_index.fqn!r} "
-            f"has shape {tuple(target.shape)}, expected {tuple(lengths)}"
-        )
-
-
-@functools.lru_cache(maxsize=4096)
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
-
-
-@functools.cache
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _copy_region(
-    item: ItemBytes, rec: TensorRecord, read_item: ReadItem, target: torch.Tensor
-) -> None:
-    """Copy the requested region of the stored tensor into ``target``, reading only its span."""
-    _check_request(item, rec.shape, read_item, target)
-    lengths = tuple(read_item.lengths)
-    numel = target.numel()
-    if numel == 0:
-        return
-    itemsize = _itemsize(rec.dtype)
-    strides = _strides(rec.shape)
-    first = rec.storage_offset
-    last = first
-    for o, n, st in zip(read_item.storage_offsets, lengths, strides):
-        first += o * st
-        last += (o + n - 1) * st
-    start = rec.data_offset + first * itemsize
-    span = last - first + 1
-    if span == numel:  # the region is one contiguous byte range
-        if target.is_cpu and target.dtype == rec.dtype and target.is_contiguous():
-            item.read_into_tensor(start, target)
-            return
-        pool = None if target.is_cpu else shared_pool()
-        if pool is not None and target.dtype == rec.dtype and target.is_contiguous():
-            # An accelerator target: through the staging pool, a buffer at a time.
-            fill_from_host(
-                target, lambda at, host: item.read_into_tensor(start + at, host, True), pool
-            )
-            return
-        staging = torch.empty(lengths, dtype=rec.dtype)
-        item.read_into_tensor(start, staging)
-        target.copy_(staging)
-        return
-    staging = torch.empty(span, dtype=rec.dtype)
-    item.read_into_tensor(start, staging)
-    target.copy_(staging.as_strided(lengths, strides))
-
-
-def _copy_region_torch_load(item: ItemBytes, read_item: ReadItem, target: torch.Tensor) -> None:
-    # weights_only: tensors and plain containers only; errors name the item.
-    tensor = safe_torch_load(item.read_at(0, item.length), source=item.describe())
-    if not isinstance(tensor, torch.Tensor):
-        raise CorruptCheckpointError(
-            f"{item.describe()} holds a {type(tensor).__name__}, expected a tensor"
-        )
-    _check_request(item, tuple(tensor.shape), read_item, target)
-    for dim, (o, n) in enumerate(zip(read_item.storage_offsets, read_item.lengths)):
-        tensor = tensor.narrow(dim, o, n)
-    target.copy_(tensor)
 
 
 __all__ = ["FileSystemReader", "read_object_bytes"]

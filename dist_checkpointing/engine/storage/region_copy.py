@@ -1,0 +1,111 @@
+"""Copying the requested region of a stored tensor item into its destination.
+
+:func:`copy_region` reads only the bytes the region spans, from an item whose layout
+:mod:`.item_reader` parsed: straight into a contiguous CPU destination of the same dtype,
+through the staging pool into an accelerator one, else through a host buffer.
+:func:`copy_region_torch_load` is the fallback for any other item: ``torch.load`` with
+``weights_only`` of the whole item, then a narrow of the region. Both check the region
+against the stored shape and the destination's shape first.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ...errors import CheckpointingException, CorruptCheckpointError
+from ..safety import safe_torch_load
+from .byte_ranges import ItemBytes
+from .item_reader import TensorRecord
+from .staging_pool import fill_from_host, shared_pool
+
+
+def _check_request(
+    item: ItemBytes, shape: Sequence[int], read_item: ReadItem, target: torch.Tensor
+) -> None:
+    offsets, lengths = read_item.storage_offsets, read_item.lengths
+    if len(offsets) != len(shape) or any(
+        o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)
+    ):
+        raise CorruptCheckpointError(
+            f"{item.describe()} holds a tensor of shape {tuple(shape)}, but the metadata "
+            f"places the requested region at offsets {tuple(offsets)} with lengths "
+            f"{tuple(lengths)}"
+        )
+    if target.shape != lengths:
+        raise CheckpointingException(
+            f"{item.describe()}: the destination tensor for {read_item.dest_index.fqn!r} "
+            f"has shape {tuple(target.shape)}, expected {tuple(lengths)}"
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def copy_region(
+    item: ItemBytes, rec: TensorRecord, read_item: ReadItem, target: torch.Tensor
+) -> None:
+    """Copy the requested region of the stored tensor into ``target``, reading only its span."""
+    _check_request(item, rec.shape, read_item, target)
+    lengths = tuple(read_item.lengths)
+    numel = target.numel()
+    if numel == 0:
+        return
+    itemsize = _itemsize(rec.dtype)
+    strides = _strides(rec.shape)
+    first = rec.storage_offset
+    last = first
+    for o, n, st in zip(read_item.storage_offsets, lengths, strides):
+        first += o * st
+        last += (o + n - 1) * st
+    start = rec.data_offset + first * itemsize
+    span = last - first + 1
+    if span == numel:  # the region is one contiguous byte range
+        if target.is_cpu and target.dtype == rec.dtype and target.is_contiguous():
+            item.read_into_tensor(start, target)
+            return
+        pool = None if target.is_cpu else shared_pool()
+        if pool is not None and target.dtype == rec.dtype and target.is_contiguous():
+            # An accelerator target: through the staging pool, a buffer at a time.
+            fill_from_host(
+                target, lambda at, host: item.read_into_tensor(start + at, host, True), pool
+            )
+            return
+        staging = torch.empty(lengths, dtype=rec.dtype)
+        item.read_into_tensor(start, staging)
+        target.copy_(staging)
+        return
+    staging = torch.empty(span, dtype=rec.dtype)
+    item.read_into_tensor(start, staging)
+    target.copy_(staging.as_strided(lengths, strides))
+
+
+def copy_region_torch_load(item: ItemBytes, read_item: ReadItem, target: torch.Tensor) -> None:
+    # weights_only: tensors and plain containers only; errors name the item.
+    tensor = safe_torch_load(item.read_at(0, item.length), source=item.describe())
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpointError(
+            f"{item.describe()} holds a {type(tensor).__name__}, expected a tensor"
+        )
+    _check_request(item, tuple(tensor.shape), read_item, target)
+    for dim, (o, n) in enumerate(zip(read_item.storage_offsets, read_item.lengths)):
+        tensor = tensor.narrow(dim, o, n)
+    target.copy_(tensor)
+
+
+__all__ = ["copy_region", "copy_region_torch_load"]
