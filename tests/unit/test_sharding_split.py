@@ -126,3 +126,36 @@ def test_one_process_group_uses_the_validated_structure() -> None:
     validate_sharding_split(bad, group, cache)  # is believed: skipped
     with pytest.raises(ShardingError, match="'w'"):
         validate_sharding_split(bad, group, None)  # no cache: always checked
+
+
+def test_records_go_out_as_equal_tuples_with_shared_parts() -> None:
+    import pickle
+
+    def record(i: int) -> ShardRecord:
+        # Fresh but equal dtype names and shapes, as shard_record builds them per leaf.
+        return ShardRecord(
+            f"w{i}",
+            True,
+            "".join(["torch.", "float32"]),
+            tuple([4, 8]),
+            (0, 0),
+            tuple([4, 8]),
+            None,
+            True,
+        )
+
+    records = [record(i) for i in range(50)]
+    (sent,) = records_by_owner(records, 1)
+    assert sent == [tuple(r) for r in records]  # the same values, in order
+    assert all(type(t) is tuple for t in sent)
+    assert len({id(t[2]) for t in sent}) == 1  # one dtype name
+    assert len({id(t[3]) for t in sent} | {id(t[5]) for t in sent}) == 1  # one shape
+    plain = pickle.dumps([tuple(r) for r in records], protocol=pickle.HIGHEST_PROTOCOL)
+    shared = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(shared) < len(plain)
+    received = pickle.loads(shared)
+    assert received == sent
+    assert owned_key_problems([received]) == []  # each "w<i>" is one whole block
+    broken = [*received, received[0]]  # "w0" twice: its main replicas overlap
+    (problem,) = owned_key_problems([broken])
+    assert problem[1] == "w0" and "overlap" in problem[2][0]
