@@ -614,3 +614,37 @@ def test_stage_buckets_copies_accelerator_tensors(tmp_path: Path) -> None:
     dcp.load(out, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
     _assert_bit_equal(out["gpu"], sd["gpu"].cpu())
     _assert_bit_equal(out["cpu"], sd["cpu"])
+
+
+@pytest.mark.parametrize("elements", [16, 4096])  # 64-byte items; 16 KiB items
+def test_small_items_are_written_by_one_thread_large_by_several(
+    tmp_path: Path, elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buckets of small items (Python-bound) are written in turn by the caller's thread,
+    larger ones a thread each; the files and results are the same either way."""
+    import threading
+
+    sd = {f"w{i}": _sample((elements,), torch.float32, seed=i) for i in range(40)}
+    writers: dict[str, int] = {}
+    original = ww.write_bucket_file
+
+    def recording(bucket: Any, fs: Any, sync_files: bool) -> Any:
+        writers[bucket.relative_path] = threading.get_ident()
+        return original(bucket, fs, sync_files)
+
+    monkeypatch.setattr(ww, "write_bucket_file", recording)
+    writer, metadata = _prepared(tmp_path, sd, 3)
+    fn, stage_fn, args = writer.get_save_function_and_args(in_process=True)
+    assert stage_fn is not None
+    stage_fn()
+    fn(*args)
+    results = writer.retrieve_write_results()
+    writer.finish(metadata, [results])
+    assert len(writers) == 3  # three buckets, three files, either way
+    one_thread = elements * 4 < ww._SMALL_ITEM_BYTES
+    assert (set(writers.values()) == {threading.get_ident()}) == one_thread
+    assert len(set(writers.values())) == (1 if one_thread else 3)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+    for key, value in sd.items():
+        _assert_bit_equal(out[key], value, key)
