@@ -32,6 +32,7 @@ from common import (
     bench_root,
     evict,
     fmt_mib,
+    host_buffer,
     log,
     log_table,
     measured,
@@ -113,7 +114,7 @@ def measure_raw(
     cold: bool = False,
 ) -> dict[str, Measurement]:
     save = _raw_save(local, repeat, path)  # the blob is freed before the loads
-    into = bytearray(nbytes)  # allocated (and zero-filled) outside the timed region
+    into = host_buffer(nbytes)  # allocated outside the timed region, as tensors are
     load = best_of(repeat, lambda i: raw_read(path(i), into, THREAD_COUNT), evicting(path, cold))
     return {"save": save, "load": load}
 
