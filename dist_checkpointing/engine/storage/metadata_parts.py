@@ -2,13 +2,14 @@
 
 A model's ``.metadata`` repeats a few shapes and dtypes thousands of times: the chunk
 offsets of unsharded tensors are all zeros, layers have the same shapes, nearly every
-tensor has one of two dtypes. (The keys of ``storage_data``, ``MetadataIndex``, make
-their own ``torch.Size`` of the offset they are given, so they are left as they are.) :class:`SharedParts` hands out one ``torch.Size`` per
+tensor has one of two dtypes. :class:`SharedParts` hands out one ``torch.Size`` per
 distinct shape and one ``TensorProperties`` per dtype, so that pickle writes each once
 and refers to it afterwards: 10,000 one-chunk entries pickled in 11-13 instead of 24-27
 microseconds each in one run on the development VM, 17-18 instead of 28 in another, and
-the file is 14% smaller (what Megatron-Core and plain DCP unpickle). The objects are immutable in practice
-(``torch.Size`` is a tuple; nothing changes a ``TensorProperties`` once built).
+the file (what Megatron-Core and plain DCP unpickle) is 14% smaller. The objects are
+immutable in practice (``torch.Size`` is a tuple; nothing changes a ``TensorProperties``
+once built). The keys of ``storage_data`` (``MetadataIndex``) make their own
+``torch.Size`` of the offset they are given, so they are left as they are.
 
 For what this process builds from its own and its peers' records only: the keys of its
 caches are tuples of ints, which a crafted file could make collide, so the load side
