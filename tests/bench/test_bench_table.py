@@ -97,3 +97,21 @@ def test_a_method_over_its_time_budget_is_skipped_with_the_estimate() -> None:
     assert reason.startswith("n/a (skipped: ~100 s estimated"), reason
     assert over_budget(both, "ours", 100_000, 100 << 20, budget(60)) == ""  # never measured
     assert over_budget(both, "dcp", 100_000, 100 << 20, budget(0)) == ""  # no limit
+
+
+def test_the_raw_baseline_uses_memory_like_the_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The baseline's buffers come from torch's allocator, as every method's tensors do (a
+    bytearray's small pages made its page-cache reads up to 2.7x slower), and hold the
+    tensors' bytes in order."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import common
+
+    tensors = [torch.arange(5, dtype=torch.float32), torch.arange(3, dtype=torch.int64)]
+    blob = common.raw_blob(tensors)
+    assert not isinstance(blob, bytearray)
+    assert bytes(blob) == b"".join(t.numpy().tobytes() for t in tensors)
+    assert isinstance(blob.base, torch.Tensor)  # a view of torch-allocated memory
+    buf = common.host_buffer(1 << 20)
+    assert len(memoryview(buf)) == 1 << 20 and not memoryview(buf).readonly
