@@ -418,8 +418,9 @@ class SaveShardedStrategy(SaveStrategyBase):
     commit_files: tuple[str, ...] = ()
     #: The digest of this rank's shard records at the last save whose sharding every
     #: rank validated (:mod:`..engine.sharding_split`): while no rank's records change,
-    #: the sharding check of ``save`` is one all-reduce. Each instance has its own;
-    #: set it to None to check every save.
+    #: the sharding check of ``save`` is one all-reduce. Each instance has its own (a
+    #: copy bound to another process group shares it: the digest names the group); set
+    #: it to None to check every save.
     validated_structure: ValidatedStructure | None = None
 
     def __init__(self, backend: str, version: int) -> None:

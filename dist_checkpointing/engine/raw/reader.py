@@ -98,9 +98,7 @@ class RawReader:
                 group.append(r)
         order = sorted(by_file)
         threads = max(1, min(self.ckpt.fs.parallel_reads(), len(order)))
-        # Threads reading a local disk each keep a core busy copying; an object store's
-        # mostly wait for the network (see checksums.hashing_thread).
-        self._readers = 1 if self.ckpt.fs.sequential_reads else threads
+        self._readers = self.ckpt.fs.busy_readers(threads)
         if threads <= 1:
             for f in order:
                 self._run_file(f, by_file[f])

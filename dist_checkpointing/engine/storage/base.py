@@ -53,6 +53,12 @@ class FileSystemIO(ABC):
         to hide the latency of each request)."""
         return 1
 
+    def busy_readers(self, threads: int) -> int:
+        """How many of ``threads`` reading threads keep a core busy: each one reading a
+        local disk copies from the page cache; an object store's (``sequential_reads``)
+        mostly wait for the network, and count as one (see ``checksums.hashing_thread``)."""
+        return 1 if self.sequential_reads else threads
+
     def read_limits(self) -> tuple[int, int, int]:
         """``(small_item, max_gap, window)`` bytes for coalescing reads: items of at most
         ``small_item`` bytes, at most ``max_gap`` apart, are fetched together in reads of

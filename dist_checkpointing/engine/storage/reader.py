@@ -201,9 +201,7 @@ class FileSystemReader(StorageReader):
             per_file.setdefault(name, []).append((read_item, info))
         lock: AbstractContextManager[Any] = nullcontext()
         threads = self._threads_for(per_file)
-        # Threads reading a local disk each keep a core busy copying; an object store's
-        # mostly wait for the network (see checksums.hashing_thread).
-        self._readers = 1 if self.fs.sequential_reads else threads
+        self._readers = self.fs.busy_readers(threads)
         if threads > 1:
             lock = threading.Lock()
             on_callers_stream = _callers_stream()
