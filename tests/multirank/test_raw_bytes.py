@@ -318,3 +318,49 @@ def test_large_items_are_written_and_verified_in_pieces(
         with pytest.raises(ChecksumMismatchError) as info:
             dc.load(request, tmp_path)
         assert info.value.key == min(damaged, key=offset)
+
+
+def _mixed_state() -> dict[str, Any]:
+    """Items of one 4 KiB checksum block or less, and some of several blocks, between them."""
+    sizes = {"s0": 64, "m0": 3000, "s1": 1000, "s2": 10, "m1": 5000, "s3": 1024}
+    return {
+        k: ShardedTensor.from_rank_offsets(k, _full(k, (n,)), (0, 0, 1)) for k, n in sizes.items()
+    }
+
+
+@pytest.mark.parametrize("thread", ["1", "0"], ids=["hashing-thread", "inline"])
+def test_a_batch_of_small_and_large_items_names_its_first_damaged_one(
+    tmp_path: Path, thread: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small items are checked together; the error still names the first damaged item
+    of the file, whether small or of several blocks, and each damage alone is found."""
+    monkeypatch.setenv("DIST_CKPT_CHECKSUM_BLOCK_BYTES", "4096")
+    monkeypatch.setenv("DIST_CKPT_CHECKSUM_THREAD", thread)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    dc.save(_mixed_state(), saved, get_default_save_sharded_strategy(*RAW))
+    index = read_index(CheckpointDir.of(saved))
+    assert index.block_bytes == 4096
+    where = {}
+    for key in _mixed_state():
+        row = index.rows_by_key[key][0]
+        where[key] = (index.files[index.columns["file"][row]], index.columns["offset"][row])
+
+    def request() -> dict[str, Any]:
+        return {
+            k: ShardedTensor.from_rank_offsets(k, torch.full_like(v.data, -1), (0, 0, 1))
+            for k, v in _mixed_state().items()
+        }
+
+    loaded = dc.load(request(), saved)
+    assert all(same_bits(loaded[k], v.data) for k, v in _mixed_state().items())
+    for n, damaged in enumerate((["s2"], ["m1"], ["m0", "s2"], ["s1", "m1"], ["s3", "m1"])):
+        ckpt = _copy(saved, tmp_path / f"c{n}")
+        for key in damaged:
+            name, offset = where[key]
+            _flip(ckpt / name, offset + 4097 if key.startswith("m") else offset)
+        first = min(damaged, key=lambda k: where[k])  # by file, then offset
+        with pytest.raises(ChecksumMismatchError) as info:
+            dc.load(request(), ckpt)
+        assert info.value.key == first, (damaged, info.value)
+        assert info.value.file.endswith(where[first][0])

@@ -23,7 +23,7 @@ from typing import Any
 from ...errors import ChecksumMismatchError, CorruptCheckpointError
 from .. import knobs
 from ..storage.base import ReadStream
-from ..storage.checksums import block_crcs, crc, hashing_thread
+from ..storage.checksums import block_crcs, crc, crc_each, hashing_thread
 from ..storage.location import CheckpointDir
 from .index import RawIndex
 from .writer import vectored_all
@@ -226,8 +226,22 @@ class RawReader:
             self._mismatch(r, path, start // bb + bad, found[bad], exp)
 
     def _check_all(self, reads: list[Read], path: str) -> None:
-        for r in reads:
-            self._check(r, path)
+        """Verify a batch of reads (in file order). The reads of one block or less (most
+        of a batch of small items) are checked together: their CRCs in one call of
+        :func:`crc_each`, compared as one list; the others block by block. On any
+        mismatch every read is checked in order, so that the first damaged one is named."""
+        bb = self.index.block_bytes
+        small = [r for r in reads if r.length <= bb]
+        if small:
+            starts, crcs = self._crc_start, self._crcs
+            expected = [crcs[starts[r.row] + r.entry_offset // bb] for r in small]
+            if crc_each([r.dest for r in small]) != expected:
+                for r in reads:
+                    self._check(r, path)
+        if len(small) < len(reads):
+            for r in reads:
+                if r.length > bb:
+                    self._check(r, path)
 
     def _check(self, r: Read, path: str) -> None:
         if r.verified:
