@@ -321,8 +321,10 @@ def test_large_items_are_written_and_verified_in_pieces(
 
 
 def _mixed_state() -> dict[str, Any]:
-    """Items of one 4 KiB checksum block or less, and some of several blocks, between them."""
-    sizes = {"s0": 64, "m0": 3000, "s1": 1000, "s2": 10, "m1": 5000, "s3": 1024}
+    """Items of one 4 KiB checksum block or less, some of several blocks between them, and
+    one over 1 MiB (read piece by piece, checked on the hashing thread if there is one)."""
+    sizes = {"s0": 64, "L0": 300_000, "s1": 1000, "m0": 3000}
+    sizes |= {"L1": 300_000, "s2": 10, "m1": 5000, "s3": 1024}
     return {
         k: ShardedTensor.from_rank_offsets(k, _full(k, (n,)), (0, 0, 1)) for k, n in sizes.items()
     }
@@ -354,11 +356,12 @@ def test_a_batch_of_small_and_large_items_names_its_first_damaged_one(
 
     loaded = dc.load(request(), saved)
     assert all(same_bits(loaded[k], v.data) for k, v in _mixed_state().items())
-    for n, damaged in enumerate((["s2"], ["m1"], ["m0", "s2"], ["s1", "m1"], ["s3", "m1"])):
+    cases = (["s2"], ["m1"], ["L1"], ["L0", "s1"], ["L0", "m0"], ["s0", "L0"], ["m1", "s3"])
+    for n, damaged in enumerate(cases + (["s3", "L1"], ["s1", "m0"])):
         ckpt = _copy(saved, tmp_path / f"c{n}")
         for key in damaged:
             name, offset = where[key]
-            _flip(ckpt / name, offset + 4097 if key.startswith("m") else offset)
+            _flip(ckpt / name, offset if key.startswith("s") else offset + 4097)
         first = min(damaged, key=lambda k: where[k])  # by file, then offset
         with pytest.raises(ChecksumMismatchError) as info:
             dc.load(request(), ckpt)
