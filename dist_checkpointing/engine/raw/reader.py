@@ -70,6 +70,16 @@ def _read_stream(stream: ReadStream, buf: Any, offset: int, describe: Any) -> No
         done += n
 
 
+def _descriptor(stream: ReadStream) -> int | None:
+    """The descriptor of a local file (read with ``os.preadv``), else None."""
+    if not hasattr(os, "preadv"):
+        return None
+    try:
+        return int(stream.fileno())  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError, TypeError):
+        return None
+
+
 def _at(r: Read) -> int:
     return r.at
 
@@ -158,17 +168,11 @@ class RawReader:
             else:
                 checks.append(hasher.submit(fn, *args))
 
-        fd: int | None = None
-        if hasattr(os, "preadv"):
-            try:
-                fd = stream.fileno()  # type: ignore[attr-defined]
-            except (AttributeError, OSError, ValueError):
-                fd = None
-
         def describe() -> str:
             return str(path)
 
-        if fd is None:
+        fd = _descriptor(stream)
+        if fd is None:  # a stream (object storage): read in order, then checked
             for r in reads:
                 _read_stream(stream, r.dest, r.at, describe)
             if self.verify:
