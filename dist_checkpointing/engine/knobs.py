@@ -11,6 +11,9 @@ Knob (env ``DIST_CKPT_...``)   Default    What it controls
 ============================== ========== ===================================================
 SAVE_THREAD_COUNT              2          data files (and writer workers) per rank per save
 WRITE_BUFFER_BYTES             262144     buffer of data files opened for writing
+WRITEBACK_BYTES                16777216   a synced local data file asks the kernel to start
+                                          writing its bytes to disk after each this many
+                                          (the final fsync then waits for less; 0: off)
 RESULTS_TIMEOUT_S              10.0       wait for a finished writer's results at finalize
 READ_WINDOW_BYTES              16777216   largest read that serves several small items
 READ_SMALL_ITEM_BYTES          1048576    items below this are read through a window
@@ -117,6 +120,12 @@ class Knob(Generic[N]):
 SAVE_THREAD_COUNT = Knob("SAVE_THREAD_COUNT", 2, 1, "data files per rank per save")
 WRITE_BUFFER_BYTES = Knob(
     "WRITE_BUFFER_BYTES", 256 << 10, 0, "buffer of data files opened for writing"
+)
+WRITEBACK_BYTES = Knob(
+    "WRITEBACK_BYTES",
+    16 << 20,
+    0,
+    "bytes of a synced local data file after which its write-back to disk is started",
 )
 RESULTS_TIMEOUT_S = Knob(
     "RESULTS_TIMEOUT_S", 10.0, 0.0, "seconds to wait for a finished writer's results"
@@ -248,6 +257,7 @@ METADATA_INDEX = Knob(
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
     WRITE_BUFFER_BYTES,
+    WRITEBACK_BYTES,
     RESULTS_TIMEOUT_S,
     READ_WINDOW_BYTES,
     READ_SMALL_ITEM_BYTES,
@@ -289,6 +299,7 @@ __all__ = [
     "Knob",
     "SAVE_THREAD_COUNT",
     "WRITE_BUFFER_BYTES",
+    "WRITEBACK_BYTES",
     "RESULTS_TIMEOUT_S",
     "READ_WINDOW_BYTES",
     "READ_SMALL_ITEM_BYTES",

@@ -33,6 +33,7 @@ from ..storage.host_staging import StagingStep, TensorSlot
 from ..storage.names import safe_name
 from ..storage.resolve import filesystem_for
 from ..storage.staging_pool import Chunk, CopyAhead, byte_view, shared_pool
+from ..storage.writeback import Writeback
 from .index import (
     DATA_SUFFIX,
     DTYPE_NAMES,
@@ -254,6 +255,9 @@ def _write_file(
     stream = fs.open_write(path)
     try:
         fd = _fileno(stream)
+        wb = fs.writeback(stream) if wr.sync and fd is not None else None
+        # A batch of small items goes out by the time write-back is due.
+        max_write = _MAX_WRITE if wb is None else min(_MAX_WRITE, wb.every)
         pos = 0
         batch: list[Any] = []
         batch_at = batch_bytes = 0
@@ -269,10 +273,11 @@ def _write_file(
                     _pwritev_all(fd, batch, batch_at if batch[:-1] else pos)
                     batch, batch_bytes = [], 0
                 if fd is not None and not on_device:
-                    _write_large(fd, _host_buffer(data, size), offset, block, crcs)
+                    _write_large(fd, _host_buffer(data, size), offset, block, crcs, wb)
                 else:
                     assert chunks is not None
-                    _write_streamed(stream if fd is None else fd, chunks, offset, block, crcs)
+                    out = stream if fd is None else fd
+                    _write_streamed(out, chunks, offset, block, crcs, wb)
                 pos = offset + size
                 continue
             buf = _host_buffer(data, size)
@@ -296,9 +301,11 @@ def _write_file(
                 batch.append(buf)
                 batch_bytes += size
             pos = offset + size
-            if len(batch) >= _IOV_MAX - 1 or batch_bytes >= _MAX_WRITE:
+            if len(batch) >= _IOV_MAX - 1 or batch_bytes >= max_write:
                 _pwritev_all(fd, batch, batch_at)
                 batch, batch_bytes = [], 0
+                if wb is not None:
+                    wb.advance(pos)
         if fd is not None and batch:
             _pwritev_all(fd, batch, batch_at)
         if wr.sync:
@@ -338,7 +345,12 @@ def _device_chunks(items: list[tuple[int, int, Any]]) -> Generator[Chunk, None, 
 
 
 def _write_streamed(
-    out: Any, chunks: Generator[Chunk, None, None], offset: int, block: int, crcs: list[int]
+    out: Any,
+    chunks: Generator[Chunk, None, None],
+    offset: int,
+    block: int,
+    crcs: list[int],
+    wb: Writeback | None = None,
 ) -> None:
     """Write the next source of ``chunks`` at ``offset`` (``out``: a descriptor, or a
     stream positioned there), checksumming each chunk as it goes out."""
@@ -348,6 +360,8 @@ def _write_streamed(
             hasher.feed(chunk.view, len(chunk.view))
         if isinstance(out, int):
             _pwritev_all(out, [chunk.view], offset + chunk.offset)
+            if wb is not None:
+                wb.advance(offset + chunk.offset + len(chunk.view))
         else:
             out.write(chunk.view)
         if chunk.last:
@@ -356,7 +370,9 @@ def _write_streamed(
         crcs += hasher.finish()
 
 
-def _write_large(fd: int, buf: Any, offset: int, block: int, crcs: list[int]) -> None:
+def _write_large(
+    fd: int, buf: Any, offset: int, block: int, crcs: list[int], wb: Writeback | None = None
+) -> None:
     """One large item in pieces of about ``_PIECE`` bytes (whole checksum blocks), each
     checksummed just before it is written, while its bytes are still in the CPU cache."""
     view = memoryview(buf).cast("B")
@@ -366,6 +382,8 @@ def _write_large(fd: int, buf: Any, offset: int, block: int, crcs: list[int]) ->
         if block:
             crcs += block_crcs(part, block)
         _pwritev_all(fd, [part], offset + start)
+        if wb is not None:
+            wb.advance(offset + start + len(part))
 
 
 def _fileno(stream: Any) -> int | None:

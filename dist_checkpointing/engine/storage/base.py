@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, BinaryIO, Protocol
 
 from .. import knobs
+from .writeback import Writeback
 
 
 class ReadStream(Protocol):
@@ -92,6 +93,12 @@ class FileSystemIO(ABC):
         with self.open_read(path) as stream:
             data: bytes = stream.read()
         return data
+
+    def writeback(self, stream: BinaryIO) -> Writeback | None:
+        """Something that starts the write-back of ``stream`` (opened by
+        :meth:`open_write`) while it is written, for a file that will be synced (see
+        :mod:`.writeback`); None (the default) where that means nothing."""
+        return None
 
     @abstractmethod
     def fsync(self, stream: BinaryIO) -> None:

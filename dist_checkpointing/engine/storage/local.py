@@ -14,6 +14,7 @@ from ...errors import UnsafeCheckpointError
 from .. import knobs
 from ..process import cores_per_rank
 from .base import FileSystemIO, ReadStream
+from .writeback import Writeback, writeback_for
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class LocalFileSystem(FileSystemIO):
     def open_read(self, path: str) -> ReadStream:
         # Unbuffered: reads go straight into the caller's buffers (no extra copy).
         return open(open_regular_file(path), "rb", buffering=0)  # noqa: SIM115 - caller closes
+
+    def writeback(self, stream: BinaryIO) -> Writeback | None:
+        return writeback_for(stream.fileno())
 
     def fsync(self, stream: BinaryIO) -> None:
         stream.flush()

@@ -115,6 +115,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
     with fs.open_write(bucket.path) as raw:
         # Every item is checksummed (CRC32C blocks) as its bytes go to the file.
         stream = ChecksumStream(raw, bucket.checksum_block_bytes)
+        wb = fs.writeback(raw) if sync_files else None  # the disk starts while we write
         offset = 0
         compute_crc = torch.serialization.get_crc32_options()  # once per file, not per item
         for item, data in bucket.byte_items:
@@ -131,6 +132,8 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
                     _result(item, bucket.relative_path, offset, length, stream.end_item())
                 )
                 offset += length
+                if wb is not None:
+                    wb.advance(offset)
         finally:
             staged.close()
         if sync_files:

@@ -1,0 +1,84 @@
+"""Write-back of a data file is started while it is written (Linux ``sync_file_range``);
+the bytes saved are the same, and a file system that refuses the call only loses the
+head start."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedTensor
+from dist_checkpointing.engine.storage import writeback
+from dist_checkpointing.serialization import get_default_save_sharded_strategy
+from tests.support.layouts import same_bits
+
+pytestmark = pytest.mark.skipif(
+    writeback._sync_file_range is None, reason="no sync_file_range on this platform"
+)
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Every sync_file_range call (file, offset, length), still made for real."""
+    real = writeback._sync_file_range
+    seen: list[tuple[str, int, int]] = []
+
+    def record(fd: int, offset: int, length: int, flags: int) -> int:
+        seen.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        return int(real(fd, offset, length, flags))
+
+    monkeypatch.setattr(writeback, "_sync_file_range", record)
+    return seen
+
+
+def test_started_after_each_threshold_of_bytes(tmp_path: Path, calls: list[Any]) -> None:
+    with open(tmp_path / "f", "wb", buffering=0) as f:
+        wb = writeback.Writeback(f.fileno(), 64 << 10)
+        for i in range(1, 6):
+            f.write(bytes(40 << 10))
+            wb.advance(i * (40 << 10))
+    ranges = [(offset, length) for _, offset, length in calls]
+    assert ranges == [(0, 80 << 10), (80 << 10, 80 << 10)]  # after 80 KiB and 160 KiB
+
+
+def test_a_refused_call_turns_it_off_without_an_error(calls: list[Any]) -> None:
+    read_end, write_end = os.pipe()  # sync_file_range fails on a pipe (ESPIPE)
+    try:
+        wb = writeback.Writeback(write_end, 10)
+        wb.advance(100)
+        wb.advance(200)
+        assert len(calls) == 1  # asked once, then never again
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_off_without_descriptor_or_with_the_knob_at_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert writeback.writeback_for(None) is None
+    with open(tmp_path / "f", "wb") as f:
+        assert writeback.writeback_for(f.fileno()) is not None
+        monkeypatch.setenv("DIST_CKPT_WRITEBACK_BYTES", "0")
+        assert writeback.writeback_for(f.fileno()) is None
+
+
+@pytest.mark.parametrize("layout", ["torch_dist", "raw_bytes"])
+def test_saves_start_the_write_back_of_their_data_files(
+    tmp_path: Path, layout: str, calls: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DIST_CKPT_WRITEBACK_BYTES", str(64 << 10))
+    gen = torch.Generator().manual_seed(7)
+    full = {f"t{i}": torch.randn(50_000 + 999 * i, generator=gen) for i in range(8)}
+    state = {k: ShardedTensor.from_rank_offsets(k, v, (0, 0, 1)) for k, v in full.items()}
+    dc.save(state, tmp_path, get_default_save_sharded_strategy(layout, 1))
+    data_files = {os.path.basename(path) for path, _, _ in calls}
+    assert len(data_files) == 2 and all(n.startswith("__0_") for n in data_files)
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in full.items()}
+    loaded = dc.load(request, tmp_path)
+    assert all(same_bits(loaded[k], full[k]) for k in full)
