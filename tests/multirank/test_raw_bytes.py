@@ -26,6 +26,7 @@ from dist_checkpointing.errors import (
     RankFailureError,
 )
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
+from dist_checkpointing.strategies.raw_bytes import RawBytesSaveShardedStrategy
 from tests.support.harness import run_distributed
 from tests.support.layouts import pack, same_bits, unpack
 
@@ -289,9 +290,8 @@ def test_large_items_are_written_and_verified_in_pieces(
         "big": ShardedTensor.from_rank_offsets("big", big),
         "z": ShardedTensor.from_rank_offsets("z", small + 1),
     }
-    strategy = get_default_save_sharded_strategy(*RAW)
-    strategy.thread_count = 1
-    dc.save(sd, tmp_path, strategy)
+    # One data file: a strategy of its own (the registered default is shared by every test).
+    dc.save(sd, tmp_path, RawBytesSaveShardedStrategy(thread_count=1))
     request = {
         k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v.data)) for k, v in sd.items()
     }
