@@ -13,7 +13,7 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.engine.storage import writeback
+from dist_checkpointing.engine.storage import item_writer, writeback
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from tests.support.layouts import same_bits
 
@@ -83,3 +83,19 @@ def test_saves_start_the_write_back_of_their_data_files(
     request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in full.items()}
     loaded = dc.load(request, tmp_path)
     assert all(same_bits(loaded[k], full[k]) for k in full)
+
+
+def test_a_large_torch_dist_item_starts_its_write_back_piece_by_piece(
+    tmp_path: Path, calls: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not only once the item is written: a 1 GiB tensor would otherwise reach the disk
+    only at the fsync."""
+    monkeypatch.setenv("DIST_CKPT_WRITEBACK_BYTES", str(256 << 10))
+    monkeypatch.setattr(item_writer, "_spare_cores", lambda: False)  # 1 MiB pieces
+    full = torch.arange(3 << 18, dtype=torch.float32)  # 3 MiB
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", full)}, tmp_path)
+    ranges = [(offset, length) for path, offset, length in calls if "__0_" in path]
+    assert len(ranges) >= 3 and ranges[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))  # back to back
+    loaded = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(full))}, tmp_path)
+    assert same_bits(loaded["w"], full)

@@ -37,6 +37,7 @@ from .checksums import ChecksumStream, ItemChecksum
 from .host_staging import StagingStep, TensorSlot
 from .resolve import filesystem_for
 from .staging_pool import TensorItemWriter
+from .writeback import WritebackStream
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
     results: list[WriteResult] = []
     with fs.open_write(bucket.path) as raw:
         # Every item is checksummed (CRC32C blocks) as its bytes go to the file.
-        stream = ChecksumStream(raw, bucket.checksum_block_bytes)
         wb = fs.writeback(raw) if sync_files else None  # the disk starts while we write
+        out: Any = raw if wb is None else WritebackStream(raw, wb)
+        stream = ChecksumStream(out, bucket.checksum_block_bytes)
         offset = 0
         compute_crc = torch.serialization.get_crc32_options()  # once per file, not per item
         for item, data in bucket.byte_items:
@@ -132,8 +134,6 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
                     _result(item, bucket.relative_path, offset, length, stream.end_item())
                 )
                 offset += length
-                if wb is not None:
-                    wb.advance(offset)
         finally:
             staged.close()
         if sync_files:
