@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import numpy as np
 import torch
@@ -417,6 +417,14 @@ class ShardedObject(ShardedBase):
             raise MappingError(parsed)
         key, offset, shape = parsed
         return cls(key, None, shape, offset, replica_id)
+
+
+def is_sharded_base(x: object) -> TypeGuard[ShardedBase]:
+    """``isinstance(x, ShardedBase)``, fast for our two leaf classes: an ``isinstance``
+    against an ABC base class goes through ``ABCMeta.__instancecheck__`` (about 0.4 us,
+    paid for every leaf on every save and load), a type comparison does not."""
+    t = type(x)
+    return t is ShardedTensor or t is ShardedObject or isinstance(x, ShardedBase)
 
 
 class LocalNonpersistentObject:

@@ -17,12 +17,13 @@ from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .errors import MappingError
 from .mapping import (
     LocalNonpersistentObject,
-    ShardedBase,
+    ShardedBase,  # noqa: F401 - a name of Megatron-Core's utils module
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
     ShardedTensorFactory,
     StateDict,
+    is_sharded_base,
 )
 
 # Megatron-Core's name for this module's logger (used when no logger is passed).
@@ -77,7 +78,7 @@ def extract_sharded_base(
 ) -> tuple[ShardedStateDict, StateDict]:
     """``(sharded, rest)``: the ShardedBase leaves and every other leaf."""
     return extract_matching_values(  # type: ignore[return-value]
-        sharded_state_dict, lambda v: isinstance(v, ShardedBase)
+        sharded_state_dict, is_sharded_base
     )
 
 
@@ -94,7 +95,7 @@ def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -
     """Prepend ``prefix`` to the key of every sharded leaf (in place)."""
 
     def rename(x: Any) -> Any:
-        if isinstance(x, ShardedBase):
+        if is_sharded_base(x):
             x.key = f"{prefix}{x.key}"
         return x
 
@@ -111,7 +112,7 @@ def replace_prefix_for_sharding(
     """
 
     def rename(x: Any) -> Any:
-        if isinstance(x, ShardedBase):
+        if is_sharded_base(x):
             if not x.key.startswith(old_prefix):
                 raise MappingError(f"key {x.key!r} does not start with the prefix {old_prefix!r}")
             x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
@@ -125,7 +126,7 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[
     keys matching none are kept), in place."""
 
     def rename(x: Any) -> Any:
-        if isinstance(x, ShardedBase):
+        if is_sharded_base(x):
             for old_prefix, new_prefix in prefix_map.items():
                 if x.key.startswith(old_prefix):
                     x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"

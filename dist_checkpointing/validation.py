@@ -40,7 +40,7 @@ from .errors import (
     InvalidArgumentError,
     KeyMismatchError,
 )
-from .mapping import CommonStateDict, ShardedBase, ShardedStateDict
+from .mapping import CommonStateDict, ShardedBase, ShardedStateDict, is_sharded_base
 from .strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -189,7 +189,7 @@ def drop_keys(sharded_state_dict: ShardedStateDict, keys: set[str]) -> ShardedSt
     if not keys:
         return sharded_state_dict
     _, kept = extract_matching_values(
-        sharded_state_dict, lambda x: isinstance(x, ShardedBase) and x.key in keys
+        sharded_state_dict, lambda x: is_sharded_base(x) and x.key in keys
     )
     return kept  # type: ignore[return-value]
 
@@ -221,16 +221,12 @@ def apply_strict_handling(
 
 def local_metadata_of(sharded_state_dict: ShardedStateDict) -> LocalMetadata:
     """The data-less ShardedBase leaves of a sharded state dict."""
-    return [
-        sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
-    ]
+    return [sh.without_data() for sh in nested_values(sharded_state_dict) if is_sharded_base(sh)]
 
 
 def local_shard_records(sharded_state_dict: ShardedStateDict) -> list[ShardRecord]:
     """This rank's :class:`ShardRecord` s (no communication)."""
-    return [
-        shard_record(sh) for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
-    ]
+    return [shard_record(sh) for sh in nested_values(sharded_state_dict) if is_sharded_base(sh)]
 
 
 def gather_shard_records(

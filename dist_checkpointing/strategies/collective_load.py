@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..dict_utils import dict_list_map_outplace
 from ..engine.collectives import raise_on_all_ranks
-from ..mapping import ShardedBase, ShardedStateDict, StateDict
+from ..mapping import ShardedStateDict, StateDict, is_sharded_base
 from .base import LoadShardedStrategy, check_compatibility
 
 
@@ -84,7 +84,7 @@ class CollectiveLoadStrategy(LoadShardedStrategy):
             error = e
         raise_on_all_ranks(error, self.process_group, what=f"Loading {checkpoint_dir}")
         loaded: StateDict = dict_list_map_outplace(
-            lambda x: x.data if isinstance(x, ShardedBase) else x, sharded_state_dict
+            lambda x: x.data if is_sharded_base(x) else x, sharded_state_dict
         )
         return loaded
 

@@ -33,7 +33,7 @@ from ..engine.raw.save import save_request
 from ..engine.safety import object_loader
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
-from ..mapping import ShardedBase, ShardedStateDict
+from ..mapping import ShardedStateDict, is_sharded_base
 from .base import (
     AsyncSaveShardedStrategy,
     StrategyAction,
@@ -129,7 +129,7 @@ class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
     def _request(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any, in_process: bool
     ) -> AsyncRequest:
-        leaves = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedBase)]
+        leaves = [x for x in nested_values(sharded_state_dict) if is_sharded_base(x)]
         group = RankGroup(self.process_group)
         ckpt = CheckpointDir.of(checkpoint_dir)
         return save_request(leaves, ckpt, group, self.thread_count, in_process)
@@ -149,7 +149,7 @@ class RawBytesLoadShardedStrategy(CollectiveLoadStrategy):
         """Read every ShardedTensor/ShardedObject of the request from the index's
         entries (tensors without data are allocated on the CPU)."""
         ckpt = CheckpointDir.of(checkpoint_dir)
-        leaves = [x for x in nested_values(sharded_state_dict) if isinstance(x, ShardedBase)]
+        leaves = [x for x in nested_values(sharded_state_dict) if is_sharded_base(x)]
         load_object = object_loader(ckpt, trusted=self.trusted, allowed_types=self.allowed_types)
         raw_load.load_leaves(leaves, ckpt, load_object)
 

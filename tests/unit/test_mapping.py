@@ -16,12 +16,14 @@ from dist_checkpointing.dict_utils import dict_list_map_outplace, extract_matchi
 from dist_checkpointing.errors import CheckpointingException, MappingError
 from dist_checkpointing.mapping import (
     LocalNonpersistentObject,
+    ShardedBase,
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
     apply_factories,
     apply_factory_merges,
     is_main_replica,
+    is_sharded_base,
 )
 
 KEY = "decoder.layers.self_attention.linear_qkv.weight"
@@ -768,3 +770,32 @@ def test_from_rank_offsets_builds_what_the_checked_constructor_builds(
 def test_from_rank_offsets_still_refuses_a_bad_key() -> None:
     with pytest.raises(MappingError, match="non-empty str"):
         ShardedTensor.from_rank_offsets("", torch.zeros(2), (0, 0, 1))
+
+
+class _CustomLeaf(ShardedBase):
+    """A user's own leaf class: a ShardedBase the fast type comparison does not know."""
+
+    key = "custom"
+    data = None
+    replica_id = 0
+
+    def validate_metadata_integrity(self) -> None:
+        pass
+
+    def without_data(self) -> _CustomLeaf:
+        return self
+
+
+class _TensorSubclass(ShardedTensor):
+    pass
+
+
+def test_is_sharded_base_agrees_with_isinstance() -> None:
+    st = ShardedTensor.from_rank_offsets("a", torch.zeros(4))
+    sub = _TensorSubclass.from_rank_offsets("b", torch.zeros(4))
+    factory = ShardedTensorFactory("f", torch.zeros(2), lambda *a: {}, lambda x: x)
+    leaves: list[Any] = [st, sub, ShardedObject("o", 1, (1,), (0,)), _CustomLeaf(), factory]
+    others: list[Any] = [torch.zeros(1), {"a": st}, [st], None, 3, "a", ShardedTensor]
+    for x in leaves + others:
+        assert is_sharded_base(x) == isinstance(x, ShardedBase), x
+    assert all(map(is_sharded_base, leaves)) and not any(map(is_sharded_base, others))
