@@ -31,6 +31,7 @@ import crc32c as _crc32c
 
 from .. import knobs
 from ..process import cores_per_rank, spare_core
+from .writeback import Writeback
 
 ALGORITHM = "crc32c"
 
@@ -171,12 +172,17 @@ class ChecksumStream:
     """A write stream that checksums every item written through it.
 
     Call :meth:`begin_item` before an item's bytes and :meth:`end_item` after them;
-    everything else (``tell``, ``flush``, ``fileno``...) goes to the wrapped stream.
+    everything else (``tell``, ``flush``, ``fileno``...) goes to the wrapped stream. With
+    ``writeback``, the file's write-back to disk is started as its bytes go out (see
+    :mod:`.writeback`).
     """
 
-    def __init__(self, stream: BinaryIO, block_bytes: int) -> None:
+    def __init__(
+        self, stream: BinaryIO, block_bytes: int, writeback: Writeback | None = None
+    ) -> None:
         self._stream = stream
         self._block_bytes = block_bytes  # <= 0: pass bytes through, record nothing
+        self._writeback = writeback  # told how far the file was written, if given
         self._hasher: BlockHasher | None = None
         self._position = 0
         self._item_start = 0
@@ -199,6 +205,8 @@ class ChecksumStream:
         if self._hasher is not None:
             self._hasher.feed(data, size)
         self._position += size
+        if self._writeback is not None:
+            self._writeback.advance(self._position)
         return size
 
     def __getattr__(self, name: str) -> Any:

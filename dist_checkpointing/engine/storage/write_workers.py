@@ -37,7 +37,6 @@ from .checksums import ChecksumStream, ItemChecksum
 from .host_staging import StagingStep, TensorSlot
 from .resolve import filesystem_for
 from .staging_pool import TensorItemWriter
-from .writeback import WritebackStream
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +114,9 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
     results: list[WriteResult] = []
     with fs.open_write(bucket.path) as raw:
         # Every item is checksummed (CRC32C blocks) as its bytes go to the file.
-        wb = fs.writeback(raw) if sync_files else None  # the disk starts while we write
-        out: Any = raw if wb is None else WritebackStream(raw, wb)
-        stream = ChecksumStream(out, bucket.checksum_block_bytes)
+        # The file's write-back starts as its bytes go out (for a file that is synced).
+        wb = fs.writeback(raw) if sync_files else None
+        stream = ChecksumStream(raw, bucket.checksum_block_bytes, wb)
         offset = 0
         compute_crc = torch.serialization.get_crc32_options()  # once per file, not per item
         for item, data in bucket.byte_items:

@@ -71,26 +71,6 @@ class Writeback:
         self._started = end
 
 
-class WritebackStream:
-    """A write stream that starts the write-back of what went through it (see
-    :class:`Writeback`), for writers that write through a stream rather than at
-    offsets; everything but ``write`` goes to the wrapped stream."""
-
-    def __init__(self, stream: Any, writeback: Writeback) -> None:
-        self._stream = stream
-        self._writeback = writeback
-        self._position = 0
-
-    def write(self, data: Any) -> int:
-        n: int = self._stream.write(data)
-        self._position += n
-        self._writeback.advance(self._position)
-        return n
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
 def writeback_for(fd: int | None) -> Writeback | None:
     """A :class:`Writeback` for the local file open as ``fd``; None where write-back
     cannot be started (no descriptor, no ``sync_file_range``) or the knob is 0."""
@@ -100,4 +80,4 @@ def writeback_for(fd: int | None) -> Writeback | None:
     return Writeback(fd, every)
 
 
-__all__ = ["Writeback", "WritebackStream", "writeback_for"]
+__all__ = ["Writeback", "writeback_for"]
