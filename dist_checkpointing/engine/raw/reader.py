@@ -146,12 +146,12 @@ class RawReader:
         :func:`~..storage.checksums.hashing_thread`); returns those pending checks."""
         checks: list[Future[None]] = []
         hasher = hashing_thread(self._readers) if self.verify else None
-        # A read of more than a block is read and checked piece by piece: pieces of
-        # ``piece`` bytes, each checked on the hashing thread while the next is read, or
-        # of a block, each checked inline while its bytes are in the cache. A batch of
-        # small reads is cut at a block and always checked inline: handing many small
-        # CRCs to another thread costs the reading threads more in waits for the
-        # interpreter than it saves (16-core host: +32-42% against +11-20% inline).
+        # A read over _CACHE_BYTES is read and checked piece by piece: pieces of 8 MiB,
+        # each checked on the hashing thread while the next is read, or of _CACHE_BYTES,
+        # each checked inline while its bytes are in the cache. A batch of small reads
+        # is cut at _CACHE_BYTES and always checked inline: handing many small CRCs to
+        # another thread costs the reading threads more in waits for the interpreter
+        # than it saves (16-core host: +32-42% against +11-20% inline).
         piece = _THREAD_PIECE if hasher else _CACHE_BYTES
 
         def inline(fn: Any, *args: Any) -> None:
