@@ -35,6 +35,16 @@ lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/machine.log"
 step checksum_td_big_1 60 torchrun --standalone --nproc_per_node=1 bench/checksum_overlap.py --layout torch_dist --repeat 6
 step checksum_td_big_2 70 torchrun --standalone --nproc_per_node=2 bench/checksum_overlap.py --layout torch_dist --repeat 6
 step checksum_rb_big_2 70 torchrun --standalone --nproc_per_node=2 bench/checksum_overlap.py --layout raw_bytes --repeat 6
+# The 10,000-tensor case on one rank: batches of small items, checked inline.
+step checksum_rb_mid_1 60 torchrun --standalone --nproc_per_node=1 bench/checksum_overlap.py --layout raw_bytes --case mid --repeat 6
+# Write-back started while a file is written (WRITEBACK_BYTES) against none, same run.
+for round in 1 2; do
+    for wb in 0 16777216; do
+        step "writeback_${wb}_$round" 60 env DIST_CKPT_WRITEBACK_BYTES=$wb torchrun \
+            --standalone --nproc_per_node=1 bench/table_run.py --cases big,mid \
+            --methods raw,raw_bytes,ours --repeat 3 --no-plan --out "$OUT/writeback_${wb}_$round.json"
+    done
+done
 # Issue 11: microseconds per tensor on a current CPU core.
 step raw_bytes_speed_1 60 torchrun --standalone --nproc_per_node=1 bench/raw_bytes_speed.py --cases small --repeat 5
 # The table on 1, 2 and 4 ranks with a core per rank (the 100,000-tensor case left out).
