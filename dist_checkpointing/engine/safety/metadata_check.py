@@ -14,9 +14,11 @@ import enum
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from types import ModuleType
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -71,23 +73,28 @@ class _Checker:
         fields = vars(md)
         chunks = fields.get("chunks")
         props = fields.get("properties")
-        if (  # the common case in a few operations: one chunk, the whole tensor
+        if (  # the common cases in a few operations (else the checks below say why)
             type(chunks) is list
-            and len(chunks) == 1
-            and type(chunks[0]) is ChunkStorageMetadata
             and type(props) is TensorProperties
             and isinstance(vars(props).get("dtype"), torch.dtype)
-            and _whole(fields.get("size"), vars(chunks[0]))
         ):
-            return
+            size = fields.get("size")
+            if (  # one chunk, the whole tensor
+                len(chunks) == 1
+                and type(chunks[0]) is ChunkStorageMetadata
+                and _whole(size, vars(chunks[0]))
+            ):
+                return
+            fast = _well_formed_boxes(size, chunks) if len(chunks) >= _MANY_CHUNKS else None
+            if fast is not None:
+                self._disjoint(key, fast)
+                return
         where = f"tensor {key[:200]!r}"
         size = self.dims(fields.get("size"), where, "size")
-        props = fields.get("properties")
         if type(props) is not TensorProperties or not isinstance(
             vars(props).get("dtype"), torch.dtype
         ):
             raise self.fail(where, f"properties must name a dtype, found {_short(props)}")
-        chunks = fields.get("chunks")
         if type(chunks) is not list:
             raise self.fail(where, f"chunks must be a list, found {_short(chunks)}")
         boxes: list[Box] = []
@@ -101,12 +108,16 @@ class _Checker:
             if any(o + e > s for o, e, s in zip(off, ext, size)):
                 raise self.fail(where, f"chunk at {off} of sizes {ext} exceeds shape {size}")
             boxes.append((off, ext))
+        self._disjoint(key, boxes)
+
+    def _disjoint(self, key: str, boxes: list[Box]) -> None:
+        """Refuse chunks of one tensor that share an element."""
         budget = None if self.budget is None else self.budget * (len(boxes) + 1024)
         pair = first_overlap(boxes, budget)
         if pair is not None:
-            a, b = (boxes[i] for i in pair)
+            a, b = (tuple(map(tuple, boxes[i])) for i in pair)
             raise self.fail(
-                where,
+                f"tensor {key[:200]!r}",
                 f"stored chunks overlap (offsets {a[0]} sizes {a[1]} and offsets {b[0]} "
                 f"sizes {b[1]})",
             )
@@ -205,6 +216,47 @@ def check_metadata(metadata: Metadata, source: str, *, budget: int | None = None
             check.reformulated(key, orig, entries.get(key))
 
 
+# A tensor of this many chunks or more (the distributed optimizer's flat shards, large
+# tensor-parallel groups) has their bounds checked with numpy, in one call per check
+# instead of a few Python calls per chunk: 64 chunks 215-233 -> 92-146 us per tensor
+# on the 2-core VM. Below, the per-chunk checks cost no more.
+_MANY_CHUNKS = 16
+
+
+def _well_formed_boxes(size: object, chunks: list[Any]) -> list[Box] | None:
+    """The chunks' ``(offsets, sizes)`` when the size and every chunk's fields are
+    ``torch.Size`` (ints by construction) of one rank and each chunk lies inside the
+    tensor: the common case, checked in few operations. None: take the checking path,
+    which names what is wrong."""
+    if type(size) is not torch.Size or len(size) > MAX_DIMS:
+        return None
+    n = len(size)
+    chunk_type, size_type = ChunkStorageMetadata, torch.Size
+    if any(type(c) is not chunk_type for c in chunks):
+        return None
+    try:
+        offsets = [c.offsets for c in chunks]
+        sizes = [c.sizes for c in chunks]
+    except AttributeError:  # an instance without its fields
+        return None
+    if any(type(x) is not size_type or len(x) != n for x in chain(offsets, sizes)):
+        return None
+    boxes: list[Box] = list(zip(offsets, sizes))
+    if not n or not boxes:
+        return boxes
+    try:  # 0 <= size <= MAX_DIM_SIZE; every chunk: offsets >= 0, sizes >= 0, o <= s - e
+        if min(size) < 0 or max(size) > MAX_DIM_SIZE:
+            return None
+        count = len(boxes) * n
+        o = np.fromiter(chain.from_iterable(offsets), np.int64, count).reshape(-1, n)
+        e = np.fromiter(chain.from_iterable(sizes), np.int64, count).reshape(-1, n)
+    except (TypeError, ValueError, OverflowError):  # not made by torch.Size's constructor
+        return None
+    if (o < 0).any() or (e < 0).any() or (o > np.array(size, dtype=np.int64) - e).any():
+        return None
+    return boxes
+
+
 def _whole(size: object, chunk: dict[str, Any]) -> bool:
     """Whether ``chunk`` (a chunk's fields) covers all of a tensor of ``size``, all of
     them well-formed ``torch.Size`` (whose items are ints)."""
@@ -232,10 +284,29 @@ def _distinct_sorted(values: list[Any]) -> list[Any]:
     return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
+def _uniform_grid(boxes: list[Box]) -> bool:
+    """True when the boxes all have one extent, every offset is a multiple of it and no
+    offset repeats (tensor-parallel shards of one tensor, the most common layout): two
+    distinct offsets then differ by a whole extent in some dimension. False means "not
+    shown". The boxes must be non-empty."""
+    ext0 = boxes[0][1]
+    ndim = len(ext0)
+    for off, ext in boxes:
+        if ext != ext0 or len(off) != ndim:
+            return False
+        for o, e in zip(off, ext0):
+            if o % e:
+                return False
+    offsets = sorted(off for off, _ in boxes)
+    return all(a != b for a, b in zip(offsets, offsets[1:]))
+
+
 def _grid_disjoint(boxes: list[Box]) -> bool:
     """True when the boxes are disjoint by a cheap argument: in every dimension their
     intervals are equal or disjoint (a grid, the usual layout), and no box repeats.
     False means "not shown", not "overlapping"."""
+    if _uniform_grid(boxes):
+        return True
     if len(_distinct_sorted(boxes)) != len(boxes):
         return False
     for d in range(len(boxes[0][0])):
