@@ -18,10 +18,12 @@ RESULTS_TIMEOUT_S              10.0       wait for a finished writer's results a
 READ_WINDOW_BYTES              16777216   largest read that serves several small items
 READ_SMALL_ITEM_BYTES          1048576    items below this are read through a window
 READ_MAX_GAP_BYTES             262144     largest gap between items merged into one read
-READ_THREADS                   0          local data files a rank reads at once, each on
-                                          its own thread (0: the rank's share of the host's
-                                          cores, at most 4; torch_dist only where items
-                                          average 1 MiB or more)
+READ_THREADS                   0          threads a rank reads local data files with, the
+                                          files' reads shared out by bytes (0: the rank's
+                                          share of the host's cores, at most 8; torch_dist
+                                          only where items average 1 MiB or more)
+READ_SPAN_BYTES                8388608    least bytes of one file's consecutive reads that
+                                          one reading thread takes
 INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
 ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
 ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent
@@ -143,7 +145,10 @@ READ_THREADS = Knob(
     "READ_THREADS",
     0,
     0,
-    "local data files a rank reads at once (0: its share of the cores, at most 4)",
+    "threads a rank reads local data files with (0: its share of the cores, at most 8)",
+)
+READ_SPAN_BYTES = Knob(
+    "READ_SPAN_BYTES", 8 << 20, 1, "least bytes of a file's reads that one reading thread takes"
 )
 INTEGRITY_CHUNK_BYTES = Knob("INTEGRITY_CHUNK_BYTES", 8 << 20, 1, "read size when digesting")
 ASYNC_POLL_INTERVAL_S = Knob(
@@ -263,6 +268,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     READ_SMALL_ITEM_BYTES,
     READ_MAX_GAP_BYTES,
     READ_THREADS,
+    READ_SPAN_BYTES,
     INTEGRITY_CHUNK_BYTES,
     ASYNC_POLL_INTERVAL_S,
     ASYNC_WORKER_IDLE_CHECK_S,

@@ -1,10 +1,11 @@
-"""Loads that read several data files at once (the ``READ_THREADS`` knob), both layouts.
+"""Loads that read on several threads (the ``READ_THREADS`` knob), both layouts.
 
 A 2-rank save writes four data files; a one-process load reads them on several threads,
 with checksums verified on a pool of hashing threads. The values must be byte-exact, the
-files must really be read on more than one thread, and damage in two files must be
-reported exactly as a one-file-at-a-time load reports it (the first damaged item in
-file order, by key, file and offset).
+files must really be read on more than one thread (one file's reads too, cut into runs
+by bytes), and damage in two files, or in two runs of one file, must be reported exactly
+as a one-file-at-a-time load reports it (the first damaged item in file order, by key,
+file and offset).
 """
 
 from __future__ import annotations
@@ -96,6 +97,25 @@ def _reading_threads(
     return {opened[p.name] for p in _data_files(ckpt)}
 
 
+def _threads_per_file(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
+    """Load ``ckpt`` (checking every value); for each data file, the threads that opened
+    it (each thread opens a file once per run of its reads it takes)."""
+    opened: dict[str, set[str]] = {}
+    real_open = LocalFileSystem.open_read
+
+    def spy(self: LocalFileSystem, path: str) -> Any:
+        opened.setdefault(Path(path).name, set()).add(threading.current_thread().name)
+        time.sleep(0.02)  # each run outlasts the submission of the others
+        return real_open(self, path)
+
+    monkeypatch.setattr(LocalFileSystem, "open_read", spy)
+    out = _load(ckpt)
+    monkeypatch.setattr(LocalFileSystem, "open_read", real_open)
+    for k in KEYS:
+        assert same_bits(out[k], _full(k)), k
+    return [opened[p.name] for p in _data_files(ckpt)]
+
+
 @pytest.fixture
 def hashing_pool(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Checksums on a pool of three hashing threads (as on a host with cores to spare)."""
@@ -113,6 +133,22 @@ def test_files_are_read_at_once_on_several_threads(
     assert len(_reading_threads(saved, monkeypatch)) > 1
     monkeypatch.setenv("DIST_CKPT_READ_THREADS", "1")
     assert len(_reading_threads(saved, monkeypatch)) == 1
+
+
+@pytest.mark.parametrize("threads", ["8", "16"])
+def test_the_threads_share_the_bytes_of_one_file(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, hashing_pool: Any, threads: str
+) -> None:
+    """A file's reads are cut into runs of about total / threads bytes (at least
+    ``READ_SPAN_BYTES``), each run on whatever thread is free: 24 MiB over 8 threads is
+    3 MiB a run (two runs of a 6 MiB file); over 16 threads, 1.5 MiB, which cuts each
+    2 MiB raw_bytes item into two reads of a 1 MiB checksum block each."""
+    monkeypatch.setenv("DIST_CKPT_READ_SPAN_BYTES", str(1 << 20))
+    monkeypatch.setenv("DIST_CKPT_READ_THREADS", threads)
+    per_file = _threads_per_file(saved, monkeypatch)
+    assert all(len(names) >= 2 for names in per_file), per_file
+    monkeypatch.setenv("DIST_CKPT_READ_SPAN_BYTES", str(64 << 20))  # one run per file
+    assert all(len(names) == 1 for names in _threads_per_file(saved, monkeypatch))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -162,3 +198,26 @@ def test_damage_in_two_files_is_reported_as_a_serial_load_reports_it(
     assert serial[1] in (files[1].name, files[3].name)
     for _ in range(3):  # the threads finish in any order; the report does not change
         assert _failure(ckpt, monkeypatch, "4") == serial
+
+
+@pytest.mark.parametrize("threads", ["8", "16"])
+def test_damage_in_two_runs_of_one_file_is_reported_as_a_serial_load_reports_it(
+    saved: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    hashing_pool: Any,
+    threads: str,
+) -> None:
+    """Damage early and late in one file, read as several runs (with 16 threads a
+    raw_bytes item is cut in two): the first damaged item of the file is named, with
+    the offset of its damaged block, whichever run finishes first."""
+    ckpt = _copy(saved, tmp_path / "damaged")
+    path = _data_files(ckpt)[2]
+    size = path.stat().st_size
+    for at in (size // 3, size * 5 // 6):
+        _damage(path, at)
+    monkeypatch.setenv("DIST_CKPT_READ_SPAN_BYTES", str(1 << 20))
+    serial = _failure(ckpt, monkeypatch, "1")
+    assert serial[1] == path.name
+    for _ in range(3):
+        assert _failure(ckpt, monkeypatch, threads) == serial

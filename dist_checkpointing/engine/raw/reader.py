@@ -1,7 +1,8 @@
 """Reading the bytes a load plans (:mod:`.load_plan`) from ``raw_bytes`` data files.
 
-Files are read one after another, or several at once where the storage says so
-(``parallel_reads``: the ``READ_THREADS`` knob on a local file system). Reads of one file
+Files are read one after another, or on several threads where the storage says so
+(``parallel_reads``: the ``READ_THREADS`` knob on a local file system, whose files' reads
+are shared among the threads by bytes, see :mod:`..storage.read_spans`). Reads of one file
 are sorted by offset; neighbours (separated by at most
 ``READ_MAX_GAP_BYTES``) go into one ``os.preadv`` call of up to 1,024 buffers,
 each buffer the destination itself (a contiguous CPU tensor, a slice of a flat
@@ -25,6 +26,7 @@ from .. import knobs
 from ..storage.base import ReadStream
 from ..storage.checksums import block_crcs, crc, crc_each, hashing_thread
 from ..storage.location import CheckpointDir
+from ..storage.read_spans import reading_threads, span_bytes, split_spans
 from .index import RawIndex
 from .writer import vectored_all
 
@@ -84,6 +86,10 @@ def _at(r: Read) -> int:
     return r.at
 
 
+def _length(r: Read) -> int:
+    return r.length
+
+
 class RawReader:
     """Executes the reads of one load against the data files of ``index``."""
 
@@ -106,19 +112,45 @@ class RawReader:
                 by_file[f] = [r]
             else:
                 group.append(r)
-        order = sorted(by_file)
-        threads = max(1, min(self.ckpt.fs.parallel_reads(), len(order)))
-        self._readers = self.ckpt.fs.busy_readers(threads)
+        fs = self.ckpt.fs
+        threads = max(1, fs.parallel_reads())
+        jobs = [(f, by_file[f]) for f in sorted(by_file)]
+        if threads > 1 and not fs.sequential_reads:  # the threads share bytes, not files
+            total = sum(r.length for r in reads)
+            threads = reading_threads(threads, len(reads), total)
+            target = span_bytes(total, threads)
+            cut = [(f, self._cut(sorted(group, key=_at), target)) for f, group in jobs]
+            jobs = split_spans(cut, _length, target)
+        threads = min(threads, len(jobs))
+        self._readers = fs.busy_readers(threads)
         if threads <= 1:
-            for f in order:
-                self._run_file(f, by_file[f])
+            for f, group in jobs:
+                self._run_file(f, group)
             return
-        # Several files at once, each on its own thread (the copies release the GIL);
-        # every file is finished before the first failure, in file order, is raised.
+        # Each run of reads on its own job (the copies release the GIL); every run is
+        # finished before the first failure, in file order, is raised.
         with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-read") as pool:
-            jobs = [pool.submit(self._run_file, f, by_file[f]) for f in order]
-        for job in jobs:
+            done = [pool.submit(self._run_file, f, group) for f, group in jobs]
+        for job in done:
             job.result()
+
+    def _cut(self, reads: list[Read], target: int) -> list[Read]:
+        """``reads`` with each one over ``target`` bytes cut into reads of whole checksum
+        blocks of about ``target`` bytes, so that several threads share a large item."""
+        if all(r.length <= target for r in reads):
+            return reads
+        bb = self.index.block_bytes or _CACHE_BYTES
+        piece = max(bb, target // bb * bb)
+        out: list[Read] = []
+        for r in reads:
+            if r.length <= target:
+                out.append(r)
+                continue
+            view = memoryview(r.dest).cast("B")
+            for s in range(0, r.length, piece):
+                n = min(piece, r.length - s)
+                out.append(Read(r.row, r.entry_offset + s, n, view[s : s + n], r.at + s))
+        return out
 
     def _run_file(self, f: int, reads: list[Read]) -> None:
         name = self.index.files[f]

@@ -38,9 +38,9 @@ class LocalFileSystem(FileSystemIO):
 
     def parallel_reads(self) -> int:
         # Reading from the page cache is a copy by the kernel, a few GB/s per thread:
-        # a rank with cores of its own reads several files at once (up to 4, about what
-        # the memory bus takes), each thread checksumming what it read.
-        return knobs.READ_THREADS.get() or min(4, cores_per_rank())
+        # a rank with cores of its own reads on several threads (up to 8, about what the
+        # memory bus takes, see .read_spans), each checksumming what it read.
+        return knobs.READ_THREADS.get() or min(8, cores_per_rank())
 
     def open_read(self, path: str) -> ReadStream:
         # Unbuffered: reads go straight into the caller's buffers (no extra copy).

@@ -42,9 +42,18 @@ from .item_reader import parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
 from .metadata_index import INDEX_NAME, metadata_from_index
+from .read_spans import LARGE_READ_BYTES, span_bytes, split_spans
 from .resolve import is_url
 
 logger = logging.getLogger(__name__)
+
+
+def _offset(pair: tuple[ReadItem, Any]) -> int:
+    return int(pair[1].offset)
+
+
+def _length(pair: tuple[ReadItem, Any]) -> int:
+    return int(pair[1].length)
 
 
 class _ReadMetadata(NamedTuple):
@@ -69,11 +78,6 @@ def _callers_stream() -> Callable[[], AbstractContextManager[Any]]:
         return nullcontext
     stream = torch.cuda.current_stream()
     return functools.partial(torch.cuda.stream, stream)
-
-
-# From a local file system, several data files are read at once only where the items
-# are this large on average (see FileSystemReader._threads_for).
-_LARGE_ITEM_BYTES = 1 << 20
 
 
 class FileSystemReader(StorageReader):
@@ -201,40 +205,46 @@ class FileSystemReader(StorageReader):
             per_file.setdefault(name, []).append((read_item, info))
         lock: AbstractContextManager[Any] = nullcontext()
         threads = self._threads_for(per_file)
+        runs = list(per_file.items())
+        if threads > 1 and not self.fs.sequential_reads:  # the threads share bytes
+            ordered = [(rel, sorted(items, key=_offset)) for rel, items in runs]
+            total = sum(info.length for _, items in runs for _, info in items)
+            runs = split_spans(ordered, _length, span_bytes(total, threads))
+        threads = min(threads, len(runs))
         self._readers = self.fs.busy_readers(threads)
         if threads > 1:
             lock = threading.Lock()
             on_callers_stream = _callers_stream()
 
-            def read_file(rel: str, items: list[tuple[ReadItem, Any]]) -> None:
+            def read_run(rel: str, items: list[tuple[ReadItem, Any]]) -> None:
                 with on_callers_stream():
                     self._read_file(rel, items, planner, lock)
 
             with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-read") as pool:
-                jobs = [pool.submit(read_file, rel, items) for rel, items in per_file.items()]
+                jobs = [pool.submit(read_run, rel, items) for rel, items in runs]
                 for job in jobs:
                     job.result()
         else:
-            for rel, items in per_file.items():
+            for rel, items in runs:
                 self._read_file(rel, items, planner, lock)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
     def _threads_for(self, per_file: dict[str, list[tuple[ReadItem, Any]]]) -> int:
-        """Data files to read at once: ``thread_count``, or more where the storage says
-        so (``parallel_reads``). From a local file system, only where the items are
-        large (1 MiB on average): reading those is a copy by the kernel, which threads
-        share out; reading many small ones is mostly Python (each item's zip framing),
-        at which threads only take turns. Object stores read several files at once
-        whatever the items, to hide each request's latency."""
+        """Threads to read with: ``thread_count``, or more where the storage says so
+        (``parallel_reads``). From a local file system, only where the items are large
+        (1 MiB on average): reading those is a copy by the kernel, which threads share
+        out (by bytes, see :mod:`.read_spans`); reading many small ones is mostly Python
+        (each item's zip framing), at which threads only take turns. Object stores read
+        several files at once whatever the items, to hide each request's latency."""
         threads = max(self.thread_count, self.fs.parallel_reads())
         if threads > self.thread_count and not self.fs.sequential_reads:
             count = sum(len(items) for items in per_file.values())
             nbytes = sum(info.length for items in per_file.values() for _, info in items)
-            if nbytes < count * _LARGE_ITEM_BYTES:
+            if nbytes < count * LARGE_READ_BYTES:
                 threads = self.thread_count
-        return max(1, min(threads, len(per_file)))
+        return max(1, threads)
 
     @property
     def checkpoint_id(self) -> str:
