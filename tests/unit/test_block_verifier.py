@@ -269,8 +269,9 @@ def test_the_hashing_thread_runs_only_beside_a_spare_core(
     [
         (2, "1", "", 2, False),  # the development VM: two readers take both cores
         (2, "2", "", 1, False),
-        (16, "1", "", 4, True),  # at most 4 readers, cores left for hashing
-        (16, "4", "", 4, False),  # 4 cores per rank, all reading
+        (16, "1", "", 8, True),  # at most 8 readers, cores left for hashing
+        (16, "2", "", 8, False),  # 8 cores per rank, all reading
+        (16, "4", "", 4, False),
         (16, "8", "", 2, False),
         (16, "1", "3", 3, True),  # the knob wins
     ],
@@ -283,8 +284,8 @@ def test_readers_and_hashing_threads_share_the_ranks_cores(
     readers: int,
     hashing: bool,
 ) -> None:
-    """A load reads up to ``READ_THREADS`` local files at once (by default the rank's
-    share of the cores, at most 4); checksums go to the hashing pool only where the host
+    """A load reads local files on up to ``READ_THREADS`` threads (by default the rank's
+    share of the cores, at most 8); checksums go to the hashing pool only where the host
     has cores beyond every rank's readers."""
     from dist_checkpointing.engine.storage import checksums
     from dist_checkpointing.engine.storage.local import LocalFileSystem
