@@ -37,6 +37,15 @@ step checksum_td_big_2 70 torchrun --standalone --nproc_per_node=2 bench/checksu
 step checksum_rb_big_2 70 torchrun --standalone --nproc_per_node=2 bench/checksum_overlap.py --layout raw_bytes --repeat 6
 # The 10,000-tensor case on one rank: batches of small items, checked inline.
 step checksum_rb_mid_1 60 torchrun --standalone --nproc_per_node=1 bench/checksum_overlap.py --layout raw_bytes --case mid --repeat 6
+# Reading threads (READ_THREADS; default: the rank's share of the cores, at most 8, and
+# at most 4 for reads averaging under 1 MiB): the caps, checked on both kinds of load.
+for threads in 2 4 8 12; do
+    step "read_threads_rb_mid_1_$threads" 30 env DIST_CKPT_READ_THREADS=$threads torchrun \
+        --standalone --nproc_per_node=1 bench/checksum_overlap.py --layout raw_bytes --case mid --repeat 4
+    step "read_threads_big_2_$threads" 40 env DIST_CKPT_READ_THREADS=$threads torchrun \
+        --standalone --nproc_per_node=2 bench/table_run.py --cases big --methods raw,raw_bytes,ours \
+        --repeat 3 --no-plan --out "$OUT/read_threads_big_2_$threads.json"
+done
 # Write-back started while a file is written (WRITEBACK_BYTES) against none, same run.
 for round in 1 2; do
     for wb in 0 16777216; do

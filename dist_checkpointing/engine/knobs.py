@@ -20,8 +20,9 @@ READ_SMALL_ITEM_BYTES          1048576    items below this are read through a wi
 READ_MAX_GAP_BYTES             262144     largest gap between items merged into one read
 READ_THREADS                   0          threads a rank reads local data files with, the
                                           files' reads shared out by bytes (0: the rank's
-                                          share of the host's cores, at most 8; torch_dist
-                                          only where items average 1 MiB or more)
+                                          share of the host's cores, at most 8, at most 4
+                                          where reads average under 1 MiB; torch_dist only
+                                          where items average 1 MiB or more)
 READ_SPAN_BYTES                8388608    least bytes of one file's consecutive reads that
                                           one reading thread takes
 INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file

@@ -39,10 +39,13 @@ def test_the_share_is_even_above_the_floor(monkeypatch: pytest.MonkeyPatch) -> N
     assert span_bytes(0, 0) == 8 << 20
 
 
-def test_small_reads_take_at_most_four_threads() -> None:
+def test_small_reads_take_at_most_four_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     mib = 1 << 20
+    monkeypatch.delenv("DIST_CKPT_READ_THREADS", raising=False)
     assert reading_threads(8, 10_000, 10_000 * 24 * 1024) == 4  # 4-64 KiB items
     assert reading_threads(2, 10_000, 10_000 * 24 * 1024) == 2
     assert reading_threads(8, 200, 200 * 5 * mib) == 8  # 5 MiB items
     assert reading_threads(8, 3, 3 * mib) == 8  # 1 MiB on average is large
     assert reading_threads(0, 0, 0) == 1
+    monkeypatch.setenv("DIST_CKPT_READ_THREADS", "8")  # set explicitly: taken as it is
+    assert reading_threads(8, 10_000, 10_000 * 24 * 1024) == 8

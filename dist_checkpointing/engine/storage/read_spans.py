@@ -38,8 +38,9 @@ def reading_threads(threads: int, count: int, nbytes: int) -> int:
     :data:`SMALL_READ_THREADS` for them. 16-core host, one rank, a verified ``raw_bytes``
     load from the page cache: 10,000 reads of 4-64 KiB took 0.111, 0.101, 0.101 and
     0.121 s on 2, 3, 4 and 8 threads; 1 GiB in 5 MiB items, 82% of the raw baseline's
-    speed on 4 threads and 96% on 8 (``torch_dist``, 2 ranks)."""
-    if nbytes < count * LARGE_READ_BYTES:
+    speed on 4 threads and 96% on 8 (``torch_dist``, 2 ranks). A ``READ_THREADS`` set
+    explicitly is taken as it is."""
+    if nbytes < count * LARGE_READ_BYTES and not knobs.READ_THREADS.get():
         return max(1, min(threads, SMALL_READ_THREADS))
     return max(1, threads)
 
