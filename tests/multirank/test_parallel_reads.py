@@ -10,6 +10,7 @@ file and offset).
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,12 +20,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.engine.storage import checksums
 from dist_checkpointing.engine.storage.local import LocalFileSystem
-from dist_checkpointing.errors import ChecksumMismatchError
+from dist_checkpointing.errors import ChecksumMismatchError, CorruptCheckpointError
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from tests.support.harness import run_distributed
 from tests.support.layouts import same_bits
@@ -221,3 +224,46 @@ def test_damage_in_two_runs_of_one_file_is_reported_as_a_serial_load_reports_it(
     assert serial[1] == path.name
     for _ in range(3):
         assert _failure(ckpt, monkeypatch, threads) == serial
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    threads=st.integers(min_value=2, max_value=16),
+    span_kib=st.sampled_from([256, 1024, 1536, 4096]),
+    damage=st.lists(st.tuples(st.integers(0, 3), st.floats(0.0, 0.999)), min_size=0, max_size=3),
+)
+def test_any_split_of_the_reads_loads_as_a_serial_load_does(
+    saved: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    hashing_pool: Any,
+    threads: int,
+    span_kib: int,
+    damage: list[tuple[int, float]],
+) -> None:
+    """Whatever the threads and the size of a run, and wherever bytes are damaged, a
+    load returns the same values as a load on one thread, or raises the same error
+    (same key, file and offset)."""
+    with tempfile.TemporaryDirectory(prefix="dcp-split-") as tmp:
+        ckpt = _copy(saved, Path(tmp) / "ckpt")
+        files = _data_files(ckpt)
+        for f, where in damage:
+            _damage(files[f], int(files[f].stat().st_size * where))
+        monkeypatch.setenv("DIST_CKPT_READ_SPAN_BYTES", str(span_kib << 10))
+        outcomes = []
+        for n in ("1", str(threads)):
+            monkeypatch.setenv("DIST_CKPT_READ_THREADS", n)
+            try:
+                out = _load(ckpt)
+            except ChecksumMismatchError as err:
+                outcomes.append(("error", err.key, Path(err.file or "").name, err.offset))
+            except CorruptCheckpointError as err:  # damage in a zip header or pickle
+                outcomes.append(("corrupt", str(err)))
+            else:
+                assert all(same_bits(out[k], _full(k)) for k in KEYS)
+                outcomes.append(("ok",))
+        assert outcomes[0] == outcomes[1]
