@@ -119,8 +119,9 @@ class RawReader:
             total = sum(r.length for r in reads)
             threads = reading_threads(threads, len(reads), total)
             target = span_bytes(total, threads)
-            cut = [(f, self._cut(sorted(group, key=_at), target)) for f, group in jobs]
-            jobs = split_spans(cut, _length, target)
+            if total > target:  # else every file is one run already
+                cut = [(f, self._cut(sorted(group, key=_at), target)) for f, group in jobs]
+                jobs = split_spans(cut, _length, target)
         threads = min(threads, len(jobs))
         self._readers = fs.busy_readers(threads)
         if threads <= 1:
