@@ -16,7 +16,7 @@ WRITEBACK_BYTES                16777216   a synced local data file asks the kern
                                           (the final fsync then waits for less; 0: off)
 RESULTS_TIMEOUT_S              10.0       wait for a finished writer's results at finalize
 READ_WINDOW_BYTES              16777216   largest read that serves several small items
-READ_SMALL_ITEM_BYTES          1048576    items below this are read through a window
+READ_SMALL_ITEM_BYTES          262144     items below this are read through a window
 READ_MAX_GAP_BYTES             262144     largest gap between items merged into one read
 READ_THREADS                   0          threads a rank reads local data files with, the
                                           files' reads shared out by bytes (0: the rank's
@@ -137,7 +137,7 @@ READ_WINDOW_BYTES = Knob(
     "READ_WINDOW_BYTES", 16 << 20, 1, "largest read that serves several small items"
 )
 READ_SMALL_ITEM_BYTES = Knob(
-    "READ_SMALL_ITEM_BYTES", 1 << 20, 0, "items below this size are read through a window"
+    "READ_SMALL_ITEM_BYTES", 256 << 10, 0, "items below this size are read through a window"
 )
 READ_MAX_GAP_BYTES = Knob(
     "READ_MAX_GAP_BYTES", 256 << 10, 0, "largest gap between items merged into one read"
