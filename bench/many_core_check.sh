@@ -37,6 +37,9 @@ step checksum_td_big_2 70 torchrun --standalone --nproc_per_node=2 bench/checksu
 step checksum_rb_big_2 70 torchrun --standalone --nproc_per_node=2 bench/checksum_overlap.py --layout raw_bytes --repeat 6
 # The 10,000-tensor case on one rank: batches of small items, checked inline.
 step checksum_rb_mid_1 60 torchrun --standalone --nproc_per_node=1 bench/checksum_overlap.py --layout raw_bytes --case mid --repeat 6
+# Page-cache reads on more threads than files, with and without an inline CRC per piece.
+step read_threads_1 60 python3 bench/read_threads.py --procs 1
+step read_threads_2 80 python3 bench/read_threads.py --procs 2
 # Reading threads (READ_THREADS; default: the rank's share of the cores, at most 8, and
 # at most 4 for reads averaging under 1 MiB): the caps, checked on both kinds of load.
 for threads in 2 4 8 12; do
