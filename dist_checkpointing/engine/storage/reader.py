@@ -92,9 +92,10 @@ class FileSystemReader(StorageReader):
 
     Args:
         path: the checkpoint directory.
-        thread_count: data files read in parallel at least (planner calls stay
-            serialized); the storage may read more at once (``parallel_reads``: the
-            ``READ_THREADS`` knob on a local file system, ``MSC_READ_THREADS`` on msc://).
+        thread_count: threads that read at least (planner calls stay serialized); the
+            storage may read with more (``parallel_reads``: the ``READ_THREADS`` knob on
+            a local file system, whose files' reads the threads share by bytes;
+            ``MSC_READ_THREADS`` files at once on msc://).
         fast_path: parse tensor items and read only the needed bytes; with False
             every tensor item is loaded with ``torch.load`` (as torch's reader does).
     """
