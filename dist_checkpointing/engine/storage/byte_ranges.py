@@ -116,17 +116,22 @@ def _piece_checks(
     before: memoryview | None,
     after: memoryview | None,
     ends_block: bool,
+    starts_block: bool = True,
 ) -> _PieceChecks:
     """The checks of ``piece``, whose first byte lies in block ``block`` of its item.
-    ``before``: the bytes of that block before the piece, where the piece starts inside
-    it (then the piece lies within that one block) and they are held; ``after``: the
-    bytes of the piece's last block after it, where held; ``ends_block``: the piece ends
-    where its last block ends (the item's end included)."""
+    ``starts_block``: the piece starts where that block starts; else it lies within
+    that one block, and ``before`` holds the bytes of the block before the piece, where
+    they are held; ``after``: the bytes of the piece's last block after it, where held;
+    ``ends_block``: the piece ends where its last block ends (the item's end included).
+    A piece that starts inside a block whose first bytes are not held yields no CRC:
+    :meth:`BlockVerifier.finish` reads what the block lacks."""
     if before is not None:
         value = crc(piece, crc(before))
         if after is not None:
             return None, {block: crc(after, value)}
         return None, ({block: value} if ends_block else {})
+    if not starts_block:
+        return None, {}
     values = block_crcs(piece, size)
     if after is not None:
         return values, {block + len(values) - 1: crc(after, values[-1])}
@@ -252,6 +257,7 @@ class ItemBytes:
                 self._edge_before(at),
                 self._edge_after(end),
                 end % size == 0 or end == self.length,
+                at % size == 0,
             )
             if hasher is None:
                 self._add_checked(at, piece, job(), transient)
