@@ -10,7 +10,8 @@ into four row blocks (the last one starts inside the item's last block), and eve
 The checkpoint is saved by ``dist_checkpointing.save`` (checksums recorded in the commit
 record) in one process, for two checksum block sizes; each example reads one random
 region of one item through :class:`FileSystemReader` with verification on, with items
-read through a window or straight into the destination, and compares every byte.
+read through a window or straight into the destination and the CRCs computed inline or on
+the hashing thread, and compares every byte.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _region(draw: Any, size: int) -> tuple[int, int]:
 
 
 @st.composite
-def _requests(draw: Any) -> tuple[str, tuple[int, int], tuple[int, int], int]:
+def _requests(draw: Any) -> tuple[str, tuple[int, int], tuple[int, int], int, str]:
     key = draw(st.sampled_from(sorted(ROWS)))
     n = ROWS[key]
     kind = draw(st.sampled_from(["block of four", "whole", "any"]))
@@ -79,7 +80,8 @@ def _requests(draw: Any) -> tuple[str, tuple[int, int], tuple[int, int], int]:
         rows = (0, n) if kind == "whole" else _region(draw, n)
     cols = (0, COLS) if draw(st.booleans()) else _region(draw, COLS)
     window = draw(st.sampled_from([0, 256 * KIB, 1 << 20, 4 << 20]))
-    return key, rows, cols, window
+    hashing = draw(st.sampled_from(["0", "1"]))  # CRCs inline or on the hashing thread
+    return key, rows, cols, window, hashing
 
 
 @settings(
@@ -89,11 +91,12 @@ def _requests(draw: Any) -> tuple[str, tuple[int, int], tuple[int, int], int]:
 )
 @given(request=_requests())
 def test_any_region_of_an_item_reads_verified_and_bit_exact(
-    saved: Path, request: tuple[str, tuple[int, int], tuple[int, int], int]
+    saved: Path, request: tuple[str, tuple[int, int], tuple[int, int], int, str]
 ) -> None:
-    key, rows, cols, window = request
+    key, rows, cols, window, hashing = request
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DIST_CKPT_READ_SMALL_ITEM_BYTES", str(window))
+        mp.setenv("DIST_CKPT_CHECKSUM_THREAD", hashing)
         got = _verified_read(saved, key, rows, cols)
     _assert_bit_equal(got, _tensor(key)[rows[0] : rows[1], cols[0] : cols[1]], key)
 
