@@ -1,4 +1,4 @@
-"""Verified reads of any region of a ``torch_dist`` tensor item.
+"""Verified reads of any region of a stored tensor, both layouts.
 
 Regression: a read that started inside a checksum block whose first bytes were not held
 (not in the item's zip header) and ended where the zip directory's bytes complete that
@@ -11,7 +11,8 @@ The checkpoint is saved by ``dist_checkpointing.save`` (checksums recorded in th
 record) in one process, for two checksum block sizes; each example reads one random
 region of one item through :class:`FileSystemReader` with verification on, with items
 read through a window or straight into the destination and the CRCs computed inline or on
-the hashing thread, and compares every byte.
+the hashing thread, and compares every byte. The same for a ``raw_bytes`` entry, read
+through its loader (whole checksum blocks around the region, then copied).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from hypothesis import strategies as st
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.engine.checkpoint import commit
+from dist_checkpointing.engine.raw import load as raw_load
 from dist_checkpointing.engine.storage.location import CheckpointDir
+from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from tests.multirank.test_filesystem_reader import _assert_bit_equal, _read
 
 KIB = 1024
@@ -108,3 +111,71 @@ def test_the_four_row_blocks_of_a_resharded_item(saved: Path, key: str, part: in
     rows = (part * ROWS[key] // 4, (part + 1) * ROWS[key] // 4)
     got = _verified_read(saved, key, rows, (0, COLS))
     _assert_bit_equal(got, _tensor(key)[rows[0] : rows[1]], key)
+
+
+# ----------------------------------------------------------------------------- raw_bytes
+
+
+@pytest.fixture(scope="module", params=[4096, 1 << 20], ids=["4KiB-blocks", "1MiB-blocks"])
+def saved_raw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ckpt = tmp_path_factory.mktemp(f"raw{request.param}") / "ckpt"
+    ckpt.mkdir()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DIST_CKPT_CHECKSUM_BLOCK_BYTES", str(request.param))
+    try:
+        state = {k: ShardedTensor.from_rank_offsets(k, _tensor(k)) for k in ROWS}
+        dc.save(state, ckpt, get_default_save_sharded_strategy("raw_bytes", 1))
+    finally:
+        mp.undo()
+    return ckpt
+
+
+def _verified_raw_read(ckpt: Path, sh: ShardedTensor) -> None:
+    location = CheckpointDir.of(ckpt)
+    assert commit.open_for_read(location) is not None
+    assert raw_load.verifying(location)
+    raw_load.load_leaves([sh], location, lambda data, where: None)
+
+
+@st.composite
+def _raw_requests(draw: Any) -> tuple[str, tuple[int, int, int, int] | tuple[int, int], str]:
+    """A grid block (row quarter, column half: ``(q, parts, c, col_parts)``) or any flat
+    range ``(start, stop)`` of the whole tensor's elements."""
+    key = draw(st.sampled_from(sorted(ROWS)))
+    hashing = draw(st.sampled_from(["0", "1"]))
+    if draw(st.booleans()):
+        parts, col_parts = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2]))
+        grid = (draw(st.integers(0, parts - 1)), parts, draw(st.integers(0, col_parts - 1)))
+        return key, (*grid, col_parts), hashing
+    start = draw(st.integers(0, ROWS[key] * COLS - 1))
+    return key, (start, draw(st.integers(start + 1, ROWS[key] * COLS))), hashing
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(request=_raw_requests())
+def test_any_region_of_a_raw_bytes_entry_reads_verified_and_bit_exact(
+    saved_raw: Path, request: tuple[str, Any, str]
+) -> None:
+    key, region, hashing = request
+    full = _tensor(key)
+    if len(region) == 4:  # a block of the grid
+        q, parts, c, col_parts = region
+        rows, cols = ROWS[key] // parts, COLS // col_parts
+        block = torch.zeros(rows, cols)
+        sh = ShardedTensor.from_rank_offsets(key, block, (0, q, parts), (1, c, col_parts))
+        expected = full[q * rows : (q + 1) * rows, c * cols : (c + 1) * cols]
+    else:  # a flat range of the whole tensor (a distributed-optimizer shard)
+        start, stop = region
+        block = torch.zeros(stop - start)
+        sh = ShardedTensor.from_rank_offsets_flat(
+            key, block, (ROWS[key], COLS), flattened_range=slice(start, stop)
+        )
+        expected = full.reshape(-1)[start:stop]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIST_CKPT_CHECKSUM_THREAD", hashing)
+        _verified_raw_read(saved_raw, sh)
+    _assert_bit_equal(block, expected, key)
