@@ -41,22 +41,33 @@ ROWS = {"small": 20, "quarter": 260, "half": 520, "odd": 1536, "large": 2356}
 COLS = 256
 
 
+# Each example reads one region of a checkpoint saved once per module.
+_PROPERTY = settings(
+    max_examples=70,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
 def _tensor(key: str) -> torch.Tensor:
     gen = torch.Generator().manual_seed(len(key) * 7919 + ROWS[key])
     return torch.randn(ROWS[key], COLS, generator=gen)
 
 
+def _save_all(tmp: pytest.TempPathFactory, block: int, backend: str) -> Path:
+    """Every tensor of :data:`ROWS`, saved whole with checksum blocks of ``block`` bytes."""
+    ckpt = tmp.mktemp(f"{backend}{block}") / "ckpt"
+    ckpt.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DIST_CKPT_CHECKSUM_BLOCK_BYTES", str(block))
+        state = {k: ShardedTensor.from_rank_offsets(k, _tensor(k)) for k in ROWS}
+        dc.save(state, ckpt, get_default_save_sharded_strategy(backend, 1))
+    return ckpt
+
+
 @pytest.fixture(scope="module", params=[4096, 1 << 20], ids=["4KiB-blocks", "1MiB-blocks"])
 def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    ckpt = tmp_path_factory.mktemp(f"blocks{request.param}") / "ckpt"
-    ckpt.mkdir()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("DIST_CKPT_CHECKSUM_BLOCK_BYTES", str(request.param))
-    try:
-        dc.save({k: ShardedTensor.from_rank_offsets(k, _tensor(k)) for k in ROWS}, ckpt)
-    finally:
-        mp.undo()
-    return ckpt
+    return _save_all(tmp_path_factory, request.param, "torch_dist")
 
 
 def _verified_read(ckpt: Path, key: str, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
@@ -89,11 +100,7 @@ def _requests(draw: Any) -> tuple[str, tuple[int, int], tuple[int, int], int, st
     return key, rows, cols, window, hashing
 
 
-@settings(
-    max_examples=80,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@_PROPERTY
 @given(request=_requests())
 def test_any_region_of_an_item_reads_verified_and_bit_exact(
     saved: Path, request: tuple[str, tuple[int, int], tuple[int, int], int, str]
@@ -120,16 +127,7 @@ def test_the_four_row_blocks_of_a_resharded_item(saved: Path, key: str, part: in
 
 @pytest.fixture(scope="module", params=[4096, 1 << 20], ids=["4KiB-blocks", "1MiB-blocks"])
 def saved_raw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    ckpt = tmp_path_factory.mktemp(f"raw{request.param}") / "ckpt"
-    ckpt.mkdir()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("DIST_CKPT_CHECKSUM_BLOCK_BYTES", str(request.param))
-    try:
-        state = {k: ShardedTensor.from_rank_offsets(k, _tensor(k)) for k in ROWS}
-        dc.save(state, ckpt, get_default_save_sharded_strategy("raw_bytes", 1))
-    finally:
-        mp.undo()
-    return ckpt
+    return _save_all(tmp_path_factory, request.param, "raw_bytes")
 
 
 def _verified_raw_read(ckpt: Path, sh: ShardedTensor) -> None:
@@ -153,11 +151,7 @@ def _raw_requests(draw: Any) -> tuple[str, tuple[int, int, int, int] | tuple[int
     return key, (start, draw(st.integers(start + 1, ROWS[key] * COLS))), hashing
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@_PROPERTY
 @given(request=_raw_requests())
 def test_any_region_of_a_raw_bytes_entry_reads_verified_and_bit_exact(
     saved_raw: Path, request: tuple[str, Any, str]
