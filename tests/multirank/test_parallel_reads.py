@@ -80,27 +80,9 @@ def _load(ckpt: Path, shape: tuple[int, int] = SHAPE) -> dict[str, Any]:
     return dc.load(request, ckpt)
 
 
-def _reading_threads(
+def _threads_per_file(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int] = SHAPE
-) -> set[str]:
-    """Load ``ckpt`` (checking every value); the threads its data files were opened on."""
-    opened: dict[str, str] = {}
-    real_open = LocalFileSystem.open_read
-
-    def spy(self: LocalFileSystem, path: str) -> Any:
-        opened[Path(path).name] = threading.current_thread().name
-        time.sleep(0.02)  # each file's job outlasts the submission of the others
-        return real_open(self, path)
-
-    monkeypatch.setattr(LocalFileSystem, "open_read", spy)
-    out = _load(ckpt, shape)
-    monkeypatch.setattr(LocalFileSystem, "open_read", real_open)
-    for k in KEYS:
-        assert same_bits(out[k], _full(k, shape)), k
-    return {opened[p.name] for p in _data_files(ckpt)}
-
-
-def _threads_per_file(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
+) -> list[set[str]]:
     """Load ``ckpt`` (checking every value); for each data file, the threads that opened
     it (each thread opens a file once per run of its reads it takes)."""
     opened: dict[str, set[str]] = {}
@@ -112,11 +94,18 @@ def _threads_per_file(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> list[set[s
         return real_open(self, path)
 
     monkeypatch.setattr(LocalFileSystem, "open_read", spy)
-    out = _load(ckpt)
+    out = _load(ckpt, shape)
     monkeypatch.setattr(LocalFileSystem, "open_read", real_open)
     for k in KEYS:
-        assert same_bits(out[k], _full(k)), k
+        assert same_bits(out[k], _full(k, shape)), k
     return [opened[p.name] for p in _data_files(ckpt)]
+
+
+def _reading_threads(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int] = SHAPE
+) -> set[str]:
+    """Load ``ckpt`` (checking every value); the threads its data files were opened on."""
+    return set().union(*_threads_per_file(ckpt, monkeypatch, shape))
 
 
 @pytest.fixture

@@ -192,6 +192,7 @@ class FileSystemReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into the planner; a completed Future."""
         per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
+        total = 0  # bytes of every item read
         for read_item in plan.items:
             try:
                 info = self.storage_data[read_item.storage_index]
@@ -204,12 +205,12 @@ class FileSystemReader(StorageReader):
                 name = self.location.entry(info.relative_path, source=self._metadata_path())
                 self._names[info.relative_path] = name
             per_file.setdefault(name, []).append((read_item, info))
+            total += info.length
         lock: AbstractContextManager[Any] = nullcontext()
-        threads = self._threads_for(per_file)
+        threads = self._threads_for(len(plan.items), total)
         runs = list(per_file.items())
         if threads > 1 and not self.fs.sequential_reads:  # the threads share bytes
             ordered = [(rel, sorted(items, key=_offset)) for rel, items in runs]
-            total = sum(info.length for _, items in runs for _, info in items)
             runs = split_spans(ordered, _length, span_bytes(total, threads))
         threads = min(threads, len(runs))
         self._readers = self.fs.busy_readers(threads)
@@ -232,19 +233,18 @@ class FileSystemReader(StorageReader):
         future.set_result(None)
         return future
 
-    def _threads_for(self, per_file: dict[str, list[tuple[ReadItem, Any]]]) -> int:
+    def _threads_for(self, count: int, nbytes: int) -> int:
         """Threads to read with: ``thread_count``, or more where the storage says so
         (``parallel_reads``). From a local file system, only where the items are large
         (1 MiB on average): reading those is a copy by the kernel, which threads share
         out (by bytes, see :mod:`.read_spans`); reading many small ones is mostly Python
         (each item's zip framing), at which threads only take turns. Object stores read
-        several files at once whatever the items, to hide each request's latency."""
+        several files at once whatever the items, to hide each request's latency.
+        ``count`` items of ``nbytes`` bytes in all are read."""
         threads = max(self.thread_count, self.fs.parallel_reads())
-        if threads > self.thread_count and not self.fs.sequential_reads:
-            count = sum(len(items) for items in per_file.values())
-            nbytes = sum(info.length for items in per_file.values() for _, info in items)
-            if nbytes < count * LARGE_READ_BYTES:
-                threads = self.thread_count
+        local = not self.fs.sequential_reads
+        if threads > self.thread_count and local and nbytes < count * LARGE_READ_BYTES:
+            threads = self.thread_count
         return max(1, threads)
 
     @property
