@@ -11,8 +11,9 @@ verification, verified with the hashing thread (``DIST_CKPT_CHECKSUM_THREAD=1``)
 inline (``=0``) and the default (``=2``: the thread only where the host has a core more
 than ranks). It prints the best and median time of the slowest rank for each and the cost
 of verification on the best times. Cases: ``big``, 16 float32 tensors of 32 MiB per rank;
-``mid``, 10,000 tensors of 4-64 KiB per rank. The thread can only hide the CRC where a
-core is free: run it on an otherwise idle machine.
+``mid``, 10,000 tensors of 4-64 KiB per rank; ``one``, one float32 tensor of 256 MiB per
+rank (one item, whose read the reader cuts into parts for its threads). The thread can
+only hide the CRC where a core is free: run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ MID_KIB = (4, 8, 16, 32, 64)
 def make_case(name: str) -> dict[str, torch.Tensor]:
     if name == "mid":
         return {f"t{i}": torch.randn(MID_KIB[i % 5] * 256) for i in range(10_000)}
+    if name == "one":
+        return {"t0": torch.randn(64 << 20)}
     return {f"t{i}": torch.randn(8 << 20) for i in range(16)}
 
 
@@ -58,7 +61,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--layout", default="torch_dist", choices=("torch_dist", "raw_bytes"))
-    parser.add_argument("--case", default="big", choices=("big", "mid"))
+    parser.add_argument("--case", default="big", choices=("big", "mid", "one"))
     parser.add_argument("--repeat", type=int, default=8)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:  # under torchrun

@@ -24,7 +24,8 @@ READ_THREADS                   0          threads a rank reads local data files 
                                           where reads average under 1 MiB; torch_dist only
                                           where items average 1 MiB or more)
 READ_SPAN_BYTES                8388608    least bytes of one file's consecutive reads that
-                                          one reading thread takes
+                                          one reading thread takes (a read of 1.5 times a
+                                          thread's share or more is cut into parts)
 INTEGRITY_CHUNK_BYTES          8388608    read size when digesting a file
 ASYNC_POLL_INTERVAL_S          0.05       how often a blocking finalize polls its caller
 ASYNC_WORKER_IDLE_CHECK_S      1.0        how often the persistent worker checks its parent

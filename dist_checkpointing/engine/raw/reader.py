@@ -26,11 +26,10 @@ from .. import knobs
 from ..storage.base import ReadStream
 from ..storage.checksums import block_crcs, crc, crc_each, hashing_thread
 from ..storage.location import CheckpointDir
+from ..storage.positional import IOV_MAX, descriptor, vectored_all
 from ..storage.read_spans import reading_threads, span_bytes, split_spans
 from .index import RawIndex
-from .writer import vectored_all
 
-_IOV_MAX = 1024
 # Verified reads are cut at about what a core's cache holds, so that an inline CRC reads
 # bytes still in the cache: items above this are read and checked piece by piece, batches
 # of small items are cut at this size.
@@ -70,16 +69,6 @@ def _read_stream(stream: ReadStream, buf: Any, offset: int, describe: Any) -> No
         if not n:
             raise CorruptCheckpointError(f"{describe()}: short read at byte {offset + done}")
         done += n
-
-
-def _descriptor(stream: ReadStream) -> int | None:
-    """The descriptor of a local file (read with ``os.preadv``), else None."""
-    if not hasattr(os, "preadv"):
-        return None
-    try:
-        return int(stream.fileno())  # type: ignore[attr-defined]
-    except (AttributeError, OSError, ValueError, TypeError):
-        return None
 
 
 def _at(r: Read) -> int:
@@ -204,7 +193,7 @@ class RawReader:
         def describe() -> str:
             return str(path)
 
-        fd = _descriptor(stream)
+        fd = descriptor(stream)
         if fd is None:  # a stream (object storage): read in order, then checked
             for r in reads:
                 _read_stream(stream, r.dest, r.at, describe)
@@ -233,7 +222,7 @@ class RawReader:
             if batch and (
                 at < pos
                 or at - pos > self.max_gap
-                or len(batch) >= _IOV_MAX - 1
+                or len(batch) >= IOV_MAX - 1
                 or (verify and pos - start >= _CACHE_BYTES)
             ):
                 flush()

@@ -17,7 +17,7 @@ import ctypes
 import io
 import math
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,7 @@ from ..storage.base import FileSystemIO
 from ..storage.checksums import BlockHasher, block_crcs, crc
 from ..storage.host_staging import StagingStep, TensorSlot
 from ..storage.names import safe_name
+from ..storage.positional import IOV_MAX, descriptor, vectored_all
 from ..storage.resolve import filesystem_for
 from ..storage.staging_pool import Chunk, CopyAhead, byte_view, shared_pool
 from ..storage.writeback import Writeback
@@ -46,7 +47,6 @@ from .index import (
     dtype_name,
 )
 
-_IOV_MAX = 1024  # buffers per pwritev call (Linux's IOV_MAX)
 _MAX_WRITE = 1 << 30  # bytes per pwritev call (Linux writes at most ~2 GiB per call)
 _PIECE = 8 << 20  # large items are checksummed and written in pieces of this size
 
@@ -254,7 +254,7 @@ def _write_file(
     block = wr.block_bytes
     stream = fs.open_write(path)
     try:
-        fd = _fileno(stream)
+        fd = descriptor(stream)
         wb = fs.writeback(stream) if wr.sync and fd is not None else None
         # A batch of small items goes out by the time write-back is due.
         max_write = _MAX_WRITE if wb is None else min(_MAX_WRITE, wb.every)
@@ -301,7 +301,7 @@ def _write_file(
                 batch.append(buf)
                 batch_bytes += size
             pos = offset + size
-            if len(batch) >= _IOV_MAX - 1 or batch_bytes >= max_write:
+            if len(batch) >= IOV_MAX - 1 or batch_bytes >= max_write:
                 _pwritev_all(fd, batch, batch_at)
                 batch, batch_bytes = [], 0
                 if wb is not None:
@@ -386,41 +386,6 @@ def _write_large(
             wb.advance(offset + start + len(part))
 
 
-def _fileno(stream: Any) -> int | None:
-    """The descriptor of a local file (written with ``pwritev``), else None."""
-    if not hasattr(os, "pwritev"):
-        return None
-    try:
-        fd = stream.fileno()
-    except (AttributeError, OSError, io.UnsupportedOperation):
-        return None
-    return fd if isinstance(fd, int) else None
-
-
-def vectored_all(
-    call: Callable[[int, list[memoryview], int], int],
-    fd: int,
-    buffers: list[Any],
-    offset: int,
-    on_short: Callable[[int], Exception],
-) -> None:
-    """``call`` (``os.pwritev`` or ``os.preadv``) over ``buffers`` back to back from
-    ``offset``, at most 1,024 buffers per call; a short transfer continues, none at all
-    raises ``on_short(offset)``."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    i = 0
-    while i < len(views):
-        done = call(fd, views[i : i + _IOV_MAX], offset)
-        if done <= 0:
-            raise on_short(offset)
-        offset += done
-        while i < len(views) and done >= len(views[i]):
-            done -= len(views[i])
-            i += 1
-        if done:
-            views[i] = views[i][done:]
-
-
 def _short_write(offset: int) -> Exception:
     return OSError(f"pwritev wrote nothing at offset {offset}")
 
@@ -450,6 +415,5 @@ __all__ = [
     "buffer_of",
     "data_file_name",
     "plan_rank",
-    "vectored_all",
     "write_rank",
 ]

@@ -5,14 +5,20 @@ short-read detection, and a window that serves small neighbouring items with one
 read. :class:`ItemBytes` is one item's bytes (from the window or read in place,
 straight into a destination tensor), each piece handed to the item's
 :class:`~.checksums.BlockVerifier` so that exactly the bytes read are verified.
+
+A large read of a local file may be cut into parts at checksum block boundaries, read
+by threads side by side (:attr:`ItemBytes.part_bytes`, set by the reader from its share
+of bytes per thread, see :mod:`.read_spans`): each part's blocks are read and
+checksummed on its thread, and handed to the verifier in order once all are read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
-from concurrent.futures import Future
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -21,6 +27,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ...errors import ChecksumMismatchError, CorruptCheckpointError
 from .base import ReadStream
 from .checksums import BlockVerifier, ChecksumMismatch, block_crcs, crc, hashing_thread
+from .positional import descriptor, vectored_all
 
 # --------------------------------------------------------------------------- file access
 
@@ -39,6 +46,7 @@ class DataFile:
         self.window = memoryview(b"")
         self.window_address = 0  # address of the window's first byte
         self.readers = 1  # threads keeping a core busy reading (see checksums.hashing_thread)
+        self.fd = descriptor(stream)  # None: read in order through the stream
 
     def check_range(self, offset: int, length: int, read_item: ReadItem) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -89,11 +97,20 @@ class DataFile:
         while done < len(buf):
             n = self.stream.readinto(buf[done:])
             if not n:
-                raise CorruptCheckpointError(
-                    f"{self.path}: short read at byte {offset + done} while reading item "
-                    f"{read_item.storage_index.fqn!r} (the file may have been truncated)"
-                )
+                raise self._short_read(offset + done, read_item)
             done += n
+
+    def pread_into(self, offset: int, buf: memoryview, read_item: ReadItem) -> None:
+        """:meth:`readinto` at ``offset`` without the stream's position (a local file:
+        :attr:`fd` is set), so that several threads read the file at once."""
+        assert self.fd is not None
+        vectored_all(os.preadv, self.fd, [buf], offset, lambda at: self._short_read(at, read_item))
+
+    def _short_read(self, at: int, read_item: ReadItem) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.path}: short read at byte {at} while reading item "
+            f"{read_item.storage_index.fqn!r} (the file may have been truncated)"
+        )
 
 
 # Checksum blocks read per piece when the hashing thread checksums them.
@@ -101,6 +118,9 @@ _BLOCKS_PER_PIECE = 8
 
 # Bytes read at once from each end of a large item: its zip headers and directory.
 _EDGE_BYTES = 4096
+
+# Where an unverified read is cut into parts: at multiples of this (from the item's start).
+_PART_UNIT = 1 << 20
 
 
 # What the hashing of one read piece yields: the CRCs of the blocks it starts (for
@@ -153,6 +173,8 @@ class ItemBytes:
         self._head: memoryview | None = None  # the first and last _EDGE_BYTES
         self._tail: memoryview | None = None
         self.verifier: BlockVerifier | None = None
+        # Reads of 1.5 times this or more are cut into parts read side by side (0: never).
+        self.part_bytes = 0
         # Pieces whose block CRCs the hashing thread is computing (see _read_verified).
         self._hashing: list[tuple[int, memoryview, Future[_PieceChecks]]] = []
 
@@ -223,11 +245,14 @@ class ItemBytes:
             return
         if self.view is not None:
             ctypes.memmove(t.data_ptr(), self.address + offset, n)
+            return
+        view = t.reshape(-1).view(torch.uint8).numpy().data
+        parts = None if transient else self._parts(offset, n)
+        if parts is not None:
+            self._read_parts(offset, view, parts)
         elif self.verifier is None:
-            view = t.reshape(-1).view(torch.uint8).numpy().data
             self.file.readinto(self.offset + offset, view, self.read_item)
         else:
-            view = t.reshape(-1).view(torch.uint8).numpy().data
             self._read_verified(offset, view, transient)
 
     def _read_verified(self, offset: int, view: memoryview, transient: bool = False) -> None:
@@ -242,28 +267,86 @@ class ItemBytes:
         hasher = hashing_thread(self.file.readers) if n > size and not transient else None
         # With the hashing thread, read several blocks per piece (fewer hand-offs).
         span = size * (_BLOCKS_PER_PIECE if hasher else 1)
+        for at, piece, job in self._pieces(offset, view, span, self.file.readinto):
+            if hasher is None:
+                self._add_checked(at, piece, job(), transient)
+            else:
+                self._hashing.append((at, piece, hasher.submit(job)))
+
+    def _pieces(
+        self, offset: int, view: memoryview, span: int, read: Callable[..., None]
+    ) -> Iterator[tuple[int, memoryview, Callable[[], _PieceChecks]]]:
+        """Read ``view`` from item offset ``offset`` with ``read``, in pieces of ``span``
+        bytes that end at checksum block boundaries (the first may be shorter); yield each
+        piece's item offset, bytes and the job that computes its checks."""
+        assert self.verifier is not None
+        size, n = self.verifier.block_bytes, len(view)
         pos = 0
         while pos < n:
             at = offset + pos
             step = min(size - at % size if at % size else span, n - pos)
             piece = view[pos : pos + step]
-            self.file.readinto(self.offset + at, piece, self.read_item)
+            read(self.offset + at, piece, self.read_item)
             end = at + step
-            job = functools.partial(
-                _piece_checks,
+            yield (
+                at,
                 piece,
-                size,
-                at // size,
-                self._edge_before(at),
-                self._edge_after(end),
-                end % size == 0 or end == self.length,
-                at % size == 0,
+                functools.partial(
+                    _piece_checks,
+                    piece,
+                    size,
+                    at // size,
+                    self._edge_before(at),
+                    self._edge_after(end),
+                    end % size == 0 or end == self.length,
+                    at % size == 0,
+                ),
             )
-            if hasher is None:
-                self._add_checked(at, piece, job(), transient)
-            else:
-                self._hashing.append((at, piece, hasher.submit(job)))
             pos += step
+
+    def _parts(self, offset: int, n: int) -> list[tuple[int, int]] | None:
+        """Where to cut a read of ``n`` bytes from item offset ``offset`` into parts read
+        side by side, as ``(start, stop)`` item offsets; None: read it in one go (no
+        :attr:`part_bytes`, a stream without a descriptor, or too short to share). Parts
+        start at checksum block boundaries, so that no block is shared by two threads."""
+        count = (n + self.part_bytes // 2) // self.part_bytes if self.part_bytes > 0 else 0
+        if count < 2 or self.file.fd is None:
+            return None
+        unit = self.verifier.block_bytes if self.verifier is not None else _PART_UNIT
+        cuts = [offset]
+        for i in range(1, count):
+            at = -(-(offset + n * i // count) // unit) * unit
+            if cuts[-1] < at < offset + n:
+                cuts.append(at)
+        cuts.append(offset + n)
+        return list(zip(cuts[:-1], cuts[1:])) if len(cuts) > 2 else None
+
+    def _read_parts(self, offset: int, view: memoryview, parts: list[tuple[int, int]]) -> None:
+        """Read ``parts`` of ``view`` (which starts at item offset ``offset``) on a thread
+        each: a part's blocks are checksummed inline, as they land; the checks are handed
+        to the verifier in order. Every part is finished, then the first failure in
+        offset order is raised (what the other parts read is still verified)."""
+        pread = self.file.pread_into
+
+        def read_part(lo: int, hi: int) -> list[tuple[int, memoryview, _PieceChecks]]:
+            sub = view[lo - offset : hi - offset]
+            if self.verifier is None:
+                pread(self.offset + lo, sub, self.read_item)
+                return []
+            size = self.verifier.block_bytes
+            return [(at, p, job()) for at, p, job in self._pieces(lo, sub, size, pread)]
+
+        with ThreadPoolExecutor(len(parts), thread_name_prefix="dist-ckpt-part") as pool:
+            jobs = [pool.submit(read_part, lo, hi) for lo, hi in parts]
+        error: BaseException | None = None
+        for job in jobs:
+            try:
+                for at, piece, checks in job.result():
+                    self._add_checked(at, piece, checks)
+            except BaseException as exc:  # noqa: BLE001 - the first is raised below
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _edge_before(self, at: int) -> memoryview | None:
         """The item's bytes from the start of ``at``'s block to ``at``, if the head edge

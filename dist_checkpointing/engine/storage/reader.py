@@ -116,6 +116,7 @@ class FileSystemReader(StorageReader):
         self._names: dict[Any, str] = {}  # relative_path -> checked file name
         self.load_id = str(uuid.uuid4())
         self._readers = 1  # threads of read_data that keep a core busy reading
+        self._part_bytes = 0  # a larger read is shared by threads (ItemBytes.part_bytes)
 
     def _metadata_path(self) -> str:
         return metadata_source(self.location)
@@ -209,9 +210,11 @@ class FileSystemReader(StorageReader):
         lock: AbstractContextManager[Any] = nullcontext()
         threads = self._threads_for(len(plan.items), total)
         runs = list(per_file.items())
+        self._part_bytes = 0
         if threads > 1 and not self.fs.sequential_reads:  # the threads share bytes
             ordered = [(rel, sorted(items, key=_offset)) for rel, items in runs]
-            runs = split_spans(ordered, _length, span_bytes(total, threads))
+            self._part_bytes = span_bytes(total, threads)
+            runs = split_spans(ordered, _length, self._part_bytes)
         threads = min(threads, len(runs))
         self._readers = self.fs.busy_readers(threads)
         if threads > 1:
@@ -294,6 +297,7 @@ class FileSystemReader(StorageReader):
                     for read_item, info in items[i:j]:
                         item = current = ItemBytes(file, info.offset, info.length, read_item)
                         item.verifier = self._verifier(relative_path, info.offset, info.length)
+                        item.part_bytes = self._part_bytes
                         self._read_item(item, read_item, planner, lock)
                         current = None
                         if previous is not None:
