@@ -37,6 +37,12 @@ step checksum_td_big_2 70 torchrun --standalone --nproc_per_node=2 bench/checksu
 step checksum_rb_big_2 70 torchrun --standalone --nproc_per_node=2 bench/checksum_overlap.py --layout raw_bytes --repeat 6
 # The 10,000-tensor case on one rank: batches of small items, checked inline.
 step checksum_rb_mid_1 60 torchrun --standalone --nproc_per_node=1 bench/checksum_overlap.py --layout raw_bytes --case mid --repeat 6
+# One 256 MiB tensor: torch_dist cuts the item's read into parts for its threads (the same
+# with READ_SPAN_BYTES of 1 TiB: read in one go, as before), raw_bytes cuts its entry.
+step checksum_td_one_1 40 torchrun --standalone --nproc_per_node=1 bench/checksum_overlap.py --layout torch_dist --case one --repeat 6
+step checksum_td_one_1_uncut 40 env DIST_CKPT_READ_SPAN_BYTES=1099511627776 torchrun --standalone \
+    --nproc_per_node=1 bench/checksum_overlap.py --layout torch_dist --case one --repeat 6
+step checksum_rb_one_1 40 torchrun --standalone --nproc_per_node=1 bench/checksum_overlap.py --layout raw_bytes --case one --repeat 6
 # Page-cache reads on more threads than files, with and without an inline CRC per piece.
 step read_threads_1 60 python3 bench/read_threads.py --procs 1
 step read_threads_2 80 python3 bench/read_threads.py --procs 2
