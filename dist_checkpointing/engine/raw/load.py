@@ -14,13 +14,14 @@ failure on every rank):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from ..storage.location import CheckpointDir
-from ..storage.staging_pool import fill_from_host
+from ..storage.staging_pool import callers_stream, fill_from_host
 from .index import INDEX_NAME, KIND_FLAT, KIND_OBJECT, RawIndex, parse_index
 from .load_plan import LoadPlan, LoadPlanner, finish_objects
 from .reader import RawReader, Read
@@ -70,18 +71,42 @@ def load_leaves(
 def fill_devices(reader: RawReader, plan: LoadPlan) -> None:
     """Read the plan's whole entries for accelerator tensors through its staging pool:
     a chunk (a pool buffer, whole checksum blocks) is read and verified, then copied to
-    the device while the next chunk is read. Host memory: the pool's budget."""
+    the device while the next chunk is read. Host memory: the pool's budget.
+
+    Several tensors are filled at once, one per reading thread (at most one per pool
+    buffer), each thread on the caller's CUDA stream, as the ``torch_dist`` reader fills
+    them; a lone tensor's chunks are read by all the threads instead. Every fill is
+    finished, then the first failure in plan order is raised."""
     pool = plan.pool
-    if pool is None:  # the planner streams only through a pool
+    fills = plan.device_fills
+    if pool is None or not fills:  # the planner streams only through a pool
         return
     offsets = reader.index.columns["offset"]
-    for row, target in plan.device_fills:
+    nbytes = sum(int(t.nbytes) for _, t in fills)
+    threads = min(len(fills), pool.capacity, reader.threads_for(len(fills), nbytes))
+    alongside = threads if threads > 1 else 0
 
-        def read(at: int, host: torch.Tensor, row: int = row) -> None:
+    def fill(row: int, target: torch.Tensor) -> None:
+        def read(at: int, host: torch.Tensor) -> None:
             n = host.numel()
-            reader.run([Read(row, at, n, buffer_of(host), offsets[row] + at)])
+            reader.run([Read(row, at, n, buffer_of(host), offsets[row] + at)], alongside)
 
         fill_from_host(target, read, pool)
+
+    if threads <= 1:
+        for row, target in fills:
+            fill(row, target)
+        return
+    on_callers_stream = callers_stream()
+
+    def fill_on_stream(row: int, target: torch.Tensor) -> None:
+        with on_callers_stream():
+            fill(row, target)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-fill") as workers:
+        jobs = [workers.submit(fill_on_stream, row, target) for row, target in fills]
+    for job in jobs:
+        job.result()
 
 
 def tensors_metadata(index: RawIndex) -> ShardedStateDict:

@@ -91,7 +91,25 @@ class RawReader:
         self._crc_start: list[int] = index.columns["crc_start"]
         self._readers = 1  # threads of this run that keep a core busy reading
 
-    def run(self, reads: Sequence[Read]) -> None:
+    def threads_for(self, count: int, nbytes: int) -> int:
+        """Threads for ``count`` reads of ``nbytes`` bytes in all: the storage's
+        ``parallel_reads``, fewer for small reads (:func:`.reading_threads`), one from an
+        object store (read in order)."""
+        fs = self.ckpt.fs
+        if fs.sequential_reads:
+            return 1
+        return reading_threads(max(1, fs.parallel_reads()), count, nbytes)
+
+    def run(self, reads: Sequence[Read], alongside: int = 0) -> None:
+        """Read (and verify) ``reads``, shared among the storage's threads; with
+        ``alongside``, on this thread: the caller runs that many of these calls at once,
+        each on a thread of its own."""
+        if alongside:
+            self._readers = self.ckpt.fs.busy_readers(alongside)
+            files = self.index.columns["file"]
+            for f in sorted({files[r.row] for r in reads}):
+                self._run_file(f, [r for r in reads if files[r.row] == f])
+            return
         by_file: dict[int, list[Read]] = {}
         files = self.index.columns["file"]
         for r in reads:

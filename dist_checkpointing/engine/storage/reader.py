@@ -10,13 +10,11 @@ anything unexpected falls back to ``torch.load(weights_only=True)`` of the item.
 
 from __future__ import annotations
 
-import functools
 import io
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
@@ -44,6 +42,7 @@ from .location import CheckpointDir
 from .metadata_index import INDEX_NAME, metadata_from_index
 from .read_spans import LARGE_READ_BYTES, span_bytes, split_spans
 from .resolve import is_url
+from .staging_pool import callers_stream
 
 logger = logging.getLogger(__name__)
 
@@ -68,16 +67,6 @@ def metadata_source(location: CheckpointDir) -> str:
     index), to name in messages about its entries; ``.metadata`` before it is read."""
     read = location.memoized(METADATA_FILE_NAME)
     return location.path(METADATA_FILE_NAME) if read is None else str(read.source)
-
-
-def _callers_stream() -> Callable[[], AbstractContextManager[Any]]:
-    """A context that makes the caller's current CUDA stream current in a reading thread
-    (threads start on the default stream): copies to the device made there then follow
-    the caller's pending work on its stream, as they would in the caller's own thread."""
-    if not torch.cuda.is_initialized():
-        return nullcontext
-    stream = torch.cuda.current_stream()
-    return functools.partial(torch.cuda.stream, stream)
 
 
 class FileSystemReader(StorageReader):
@@ -219,7 +208,7 @@ class FileSystemReader(StorageReader):
         self._readers = self.fs.busy_readers(threads)
         if threads > 1:
             lock = threading.Lock()
-            on_callers_stream = _callers_stream()
+            on_callers_stream = callers_stream()
 
             def read_run(rel: str, items: list[tuple[ReadItem, Any]]) -> None:
                 with on_callers_stream():

@@ -22,9 +22,12 @@ while it holds no buffer, so they cannot deadlock.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +278,17 @@ class CopyAhead:
             self.pool.release(done.buffer)
 
 
+def callers_stream() -> Callable[[], AbstractContextManager[Any]]:
+    """A context that makes the caller's current CUDA stream current in another thread
+    (threads start on the default stream): copies to the device made there (e.g. by
+    :func:`fill_from_host`) then follow the caller's pending work on its stream, as they
+    would in the caller's own thread. Call it in the caller's thread."""
+    if not torch.cuda.is_initialized():
+        return contextlib.nullcontext
+    stream = torch.cuda.current_stream()
+    return functools.partial(torch.cuda.stream, stream)
+
+
 def fill_from_host(
     target: torch.Tensor, read: Callable[[int, torch.Tensor], None], pool: StagingPool
 ) -> None:
@@ -391,6 +405,7 @@ __all__ = [
     "StagingPool",
     "TensorItemWriter",
     "byte_view",
+    "callers_stream",
     "fill_from_host",
     "pinning_available",
     "shared_pool",
