@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -31,6 +31,7 @@ from dist_checkpointing.engine.storage.byte_ranges import DataFile, ItemBytes
 from dist_checkpointing.errors import ChecksumMismatchError, CorruptCheckpointError
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from tests.multirank.test_partial_reads_verified import _verified_read
+from tests.support.faults import file_property, flip_byte
 from tests.support.layouts import same_bits
 
 pytestmark = pytest.mark.timeout(300)
@@ -92,14 +93,6 @@ def test_one_item_is_read_by_several_threads(
     assert not names
 
 
-def _damage(path: Path, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 def _outcome(ckpt: Path, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[Any, ...]:
     try:
         got = _verified_read(ckpt, "w", rows, cols)
@@ -111,11 +104,7 @@ def _outcome(ckpt: Path, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[
     return ("ok",) if same_bits(got, expected) else ("wrong values",)
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@file_property(40)
 @given(
     threads=st.integers(2, 8),
     span_kib=st.sampled_from([256, 1024, 1536, 3072]),
@@ -140,7 +129,7 @@ def test_any_region_any_split_reads_as_one_thread_does(
         shutil.copytree(saved, ckpt)
         path = _item_file(ckpt)
         for where in damage:
-            _damage(path, int(path.stat().st_size * where))
+            flip_byte(path, int(path.stat().st_size * where))
         monkeypatch.setenv("DIST_CKPT_READ_SPAN_BYTES", str(span_kib << 10))
         monkeypatch.setenv("DIST_CKPT_READ_THREADS", "1")
         serial = _outcome(ckpt, rows, cols)

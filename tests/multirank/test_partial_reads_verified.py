@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import dist_checkpointing as dc
@@ -33,6 +33,7 @@ from dist_checkpointing.engine.raw import load as raw_load
 from dist_checkpointing.engine.storage.location import CheckpointDir
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from tests.multirank.test_filesystem_reader import _assert_bit_equal, _read
+from tests.support.faults import file_property
 from tests.support.harness import run_distributed
 
 KIB = 1024
@@ -42,11 +43,7 @@ COLS = 256
 
 
 # Each example reads one region of a checkpoint saved once per module.
-_PROPERTY = settings(
-    max_examples=70,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+_PROPERTY = file_property(70)
 
 
 def _tensor(key: str) -> torch.Tensor:

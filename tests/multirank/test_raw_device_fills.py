@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import dist_checkpointing as dc
@@ -33,6 +33,7 @@ from dist_checkpointing.engine.storage.location import CheckpointDir
 from dist_checkpointing.engine.storage.staging_pool import StagingPool
 from dist_checkpointing.errors import ChecksumMismatchError
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
+from tests.support.faults import file_property, flip_byte
 from tests.support.layouts import same_bits
 
 pytestmark = pytest.mark.timeout(300)
@@ -114,14 +115,6 @@ def test_one_buffer_or_one_thread_fills_one_tensor_at_a_time(
     assert names == {threading.current_thread().name}
 
 
-def _damage(path: Path, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x04]))
-
-
 def _outcome(ckpt: Path, pool: StagingPool) -> tuple[Any, ...]:
     try:
         out = _fill(ckpt, pool)
@@ -131,11 +124,7 @@ def _outcome(ckpt: Path, pool: StagingPool) -> tuple[Any, ...]:
     return ("ok",) if all(same_bits(out[k], _full(k)) for k in ROWS) else ("wrong values",)
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@file_property(25)
 @given(
     threads=st.integers(2, 8),
     buffers=st.integers(1, 6),
@@ -158,7 +147,7 @@ def test_any_threads_and_pool_fill_as_one_thread_does(
         files = sorted(p for p in ckpt.iterdir() if p.suffix == ".dcpraw")
         for f, where in damage:
             path = files[f % len(files)]
-            _damage(path, int(path.stat().st_size * where))
+            flip_byte(path, int(path.stat().st_size * where))
         outcomes = []
         for n in ("1", str(threads)):
             monkeypatch.setenv("DIST_CKPT_READ_THREADS", n)

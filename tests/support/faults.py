@@ -1,10 +1,13 @@
-"""Faults injected into a save, shared by the tests of the commit protocol."""
+"""Faults injected into a save or into saved files, shared by the tests; and the
+hypothesis settings of the property tests that damage files."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from dist_checkpointing.engine.checkpoint import commit
 
@@ -23,3 +26,22 @@ def save_interrupted_after_record(save: Callable[[], object]) -> None:
             save()
     finally:
         commit._install = real_install  # type: ignore[assignment]
+
+
+def flip_byte(path: Path, at: int, mask: int = 0x10) -> None:
+    """Damage byte ``at`` of ``path`` in place (xor with ``mask``)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ mask]))
+
+
+def file_property(max_examples: int) -> settings:
+    """Settings of a property test whose examples read (and damage copies of) a
+    checkpoint saved once per module: no deadline (each example does file I/O)."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
