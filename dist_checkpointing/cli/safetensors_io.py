@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..engine.storage.tensor_bytes import byte_view
 from .ui import CliError
 
 DTYPES: dict[torch.dtype, str] = {
@@ -69,7 +70,7 @@ def write_file(
             t = read(key).contiguous()
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise CliError(f"{key}: read {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
-            data = t.reshape(-1).view(torch.uint8).numpy()
+            data = byte_view(t).numpy()
             f.write(data.data)
             on_bytes(data.nbytes)
             del t, data

@@ -262,13 +262,17 @@ class LoadPlanner:
             self.plan.reads.append(self._read(row, 0, length, buffer_of(dst)))
             return
         lo_b, hi_b = self._block_bounds(want_lo, want_hi, length)
-        buf = torch.empty(hi_b - lo_b, dtype=torch.uint8)
-        self.plan.reads.append(self._read(row, lo_b, hi_b - lo_b, buffer_of(buf)))
+        # The block bounds need not fall on elements (any block size is valid): lead the
+        # buffer with the bytes that put the wanted rows on an element boundary.
+        lead = -(want_lo - lo_b) % itemsize
+        buf = torch.empty(lead + hi_b - lo_b, dtype=torch.uint8)
+        self.plan.reads.append(self._read(row, lo_b, hi_b - lo_b, buffer_of(buf[lead:])))
         rows_shape = (r1 - r0,) + tuple(s[1:])
         sub = tuple(slice(a - b, a - b + n) for a, b, n in zip(lo[1:], o[1:], size[1:]))
+        at = lead + want_lo - lo_b
 
         def copy() -> None:
-            part = buf[want_lo - lo_b : want_hi - lo_b].view(dtype).view(rows_shape)
+            part = buf[at : at + want_hi - want_lo].view(dtype).view(rows_shape)
             dst.copy_(part[(slice(None),) + sub] if s else part.reshape(dst.shape))
 
         self.plan.copies.append(copy)

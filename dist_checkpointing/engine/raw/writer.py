@@ -33,7 +33,8 @@ from ..storage.host_staging import StagingStep, TensorSlot
 from ..storage.names import safe_name
 from ..storage.positional import IOV_MAX, descriptor, vectored_all
 from ..storage.resolve import filesystem_for
-from ..storage.staging_pool import Chunk, CopyAhead, byte_view, shared_pool
+from ..storage.staging_pool import Chunk, CopyAhead, shared_pool
+from ..storage.tensor_bytes import byte_view
 from ..storage.writeback import Writeback
 from .index import (
     DATA_SUFFIX,

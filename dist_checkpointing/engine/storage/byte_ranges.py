@@ -28,6 +28,7 @@ from ...errors import ChecksumMismatchError, CorruptCheckpointError
 from .base import ReadStream
 from .checksums import BlockVerifier, ChecksumMismatch, block_crcs, crc, hashing_thread
 from .positional import descriptor, vectored_all
+from .tensor_bytes import byte_view
 
 # --------------------------------------------------------------------------- file access
 
@@ -246,7 +247,7 @@ class ItemBytes:
         if self.view is not None:
             ctypes.memmove(t.data_ptr(), self.address + offset, n)
             return
-        view = t.reshape(-1).view(torch.uint8).numpy().data
+        view = byte_view(t).numpy().data
         parts = None if transient else self._parts(offset, n)
         if parts is not None:
             self._read_parts(offset, view, parts)

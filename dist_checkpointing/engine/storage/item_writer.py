@@ -24,6 +24,7 @@ import torch
 
 from ..process import cores_per_rank
 from .item_template import _MAX_FAST_BYTES, _itemsize, _record_name_hash, _template, _tensor_pickle
+from .tensor_bytes import byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ def _byte_view(t: torch.Tensor) -> bytes | memoryview:
     nbytes = t.nbytes
     if nbytes < _COPY_BELOW_BYTES:
         return ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    return byte_view(t).numpy().data
 
 
 @functools.cache

@@ -35,13 +35,7 @@ import torch
 
 from .. import knobs
 from . import item_writer
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat ``uint8`` tensor on its device."""
-    if not t.is_contiguous():
-        raise ValueError("byte_view needs a contiguous tensor")
-    return t.detach().reshape(-1).view(torch.uint8)
+from .tensor_bytes import byte_view
 
 
 def pinning_available() -> bool:

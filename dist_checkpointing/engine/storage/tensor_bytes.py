@@ -1,0 +1,25 @@
+"""The bytes of a contiguous tensor, as a flat ``uint8`` tensor on its device.
+
+``Tensor.is_contiguous`` ignores the stride of a dimension of size 1, so a contiguous
+tensor may still carry any stride there (``torch.zeros(8)[::2][2:3]`` has stride 2), and
+``reshape(-1).view(torch.uint8)`` then fails. :func:`byte_view` views such a tensor with
+the strides its layout really has first. Every path that reads or writes a tensor's bytes
+in place takes them from here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as a flat ``uint8`` tensor (a view, no copy)."""
+    if not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous tensor")
+    flat = t.detach()
+    if flat.dim() != 1 or flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
+
+
+__all__ = ["byte_view"]
