@@ -188,13 +188,17 @@ def save(
     Returns:
         The AsyncRequest with ``async_sharded_save=True``, else None.
     """
-    check_async_strategy(async_strategy)
-    sharded, common = save_strategies(
-        sharded_strategy, common_strategy, async_sharded_save, process_group
-    )
-    ckpt = CheckpointDir.of(checkpoint_dir)
-    ckpt.require_dir("Checkpoint destination directory", for_writing=True)
     group = RankGroup(process_group)
+    try:
+        check_async_strategy(async_strategy)
+        sharded, common = save_strategies(
+            sharded_strategy, common_strategy, async_sharded_save, process_group
+        )
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        ckpt.require_dir("Checkpoint destination directory", for_writing=True)
+    except Exception as exc:  # one verdict: this rank joins the others' first collective
+        save_preprocess({}, validate_access_integrity, None, process_group, None, exc)
+        raise  # (save_preprocess raised it already, on every rank)
     account = OpAccount(logger, "save", ckpt, group.rank)
     with account.phase("validate"):
         check_common = preprocess_common_before_consistancy_check

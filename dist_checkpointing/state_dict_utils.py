@@ -69,26 +69,16 @@ def _leaf_kinds(state_dict: ShardedStateDict) -> _LeafKinds:
     return kinds
 
 
-def save_preprocess(
+def split_for_save(
     sharded_state_dict: ShardedStateDict,
-    validate_access_integrity: bool = True,
-    preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict]
-    | None = None,
-    process_group: ProcessGroup = None,
-    validated_structure: ValidatedStructure | None = None,
 ) -> tuple[ShardedStateDict, StateDict]:
-    """Split ``sharded_state_dict`` into its sharded and common parts for saving.
-
-    Steps: apply factories, drop LocalNonpersistentObjects, split ShardedBase
-    leaves from the rest, drop empty flat ranges, and (when validating) check on
-    every rank of ``process_group`` that main replicas cover every global tensor
-    exactly once (each key on one owner rank, :mod:`.engine.sharding_split`; skipped
-    while ``validated_structure`` says no rank's shards changed since the last
-    passing check), and log common-state differences between ranks.
-
-    Returns:
-        ``(sharded_part, common_part)``.
-    """
+    """The local steps of :func:`save_preprocess` (no communication): apply factories,
+    drop LocalNonpersistentObjects and empty flat ranges, split the ShardedBase leaves
+    (the sharded part) from the rest (the common part)."""
+    if not isinstance(sharded_state_dict, dict):
+        raise TypeError(
+            f"a sharded state dict must be a dict, got {type(sharded_state_dict).__name__}"
+        )
     # Each step is a pass that copies the containers: one cheap pass first finds which
     # are needed (a factory may build anything, so with one every step runs).
     kinds = _leaf_kinds(sharded_state_dict)
@@ -100,13 +90,55 @@ def save_preprocess(
     sharded_part, common_part = extract_sharded_base(persistent)
     if kinds.factories or kinds.empty_flat:
         sharded_part = filter_out_empty_flatten_tensor(sharded_part)
-    if validate_access_integrity:
-        records = local_shard_records(sharded_part)
-        validate_sharding_split(records, RankGroup(process_group), validated_structure)
-        to_check: Any = common_part
-        if preprocess_common_before_consistancy_check is not None:
-            to_check = preprocess_common_before_consistancy_check(common_part)
-        validate_common_state_dict(to_check, process_group)
+    return sharded_part, common_part
+
+
+def save_preprocess(
+    sharded_state_dict: ShardedStateDict,
+    validate_access_integrity: bool = True,
+    preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict]
+    | None = None,
+    process_group: ProcessGroup = None,
+    validated_structure: ValidatedStructure | None = None,
+    local_error: BaseException | None = None,
+) -> tuple[ShardedStateDict, StateDict]:
+    """Split ``sharded_state_dict`` into its sharded and common parts for saving.
+
+    Steps: :func:`split_for_save`, and (when validating) check on every rank of
+    ``process_group`` that main replicas cover every global tensor exactly once (each
+    key on one owner rank, :mod:`.engine.sharding_split`; skipped while
+    ``validated_structure`` says no rank's shards changed since the last passing
+    check), and log common-state differences between ranks.
+
+    Collective: a step that fails on one rank (``local_error``: the caller's own steps
+    before this one failed) raises on every rank, in the first collective (the
+    sharding check's, or one of its own without validation), never leaving the other
+    ranks waiting.
+
+    Returns:
+        ``(sharded_part, common_part)``.
+    """
+    error = local_error
+    sharded_part: ShardedStateDict = {}
+    common_part: StateDict = {}
+    records: list[Any] = []
+    to_check: Any = None
+    if error is None:
+        try:
+            sharded_part, common_part = split_for_save(sharded_state_dict)
+            if validate_access_integrity:
+                records = local_shard_records(sharded_part)
+                to_check = common_part
+                if preprocess_common_before_consistancy_check is not None:
+                    to_check = preprocess_common_before_consistancy_check(common_part)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+    group = RankGroup(process_group)
+    if not validate_access_integrity:
+        group.fail_together(error, "Preparing the state dict to save")
+        return sharded_part, common_part
+    validate_sharding_split(records, group, validated_structure, local_error=error)
+    validate_common_state_dict(to_check, process_group)
     return sharded_part, common_part
 
 

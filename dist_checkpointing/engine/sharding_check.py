@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._shard_geometry import object_unique_key
 from ..mapping import (
     ShardedBase,
     ShardedObject,
@@ -49,7 +50,9 @@ class ShardRecord(NamedTuple):
     gather across ranks (plain tuples pickle far faster than dataclasses)."""
 
     key: str
-    is_tensor: bool
+    # None: not a shard but a claim of the stored name ``key`` by the object shard named
+    # in ``dtype`` (sent to the owner of that name, see sharding_split.records_by_owner).
+    is_tensor: bool | None
     dtype: str  # "" for objects
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
@@ -86,6 +89,11 @@ def shard_record(sh: ShardedBase | ShardRecord) -> ShardRecord:
             is_main_replica(sh.replica_id),
         )
     raise TypeError(f"expected a ShardedTensor or ShardedObject, got {type(sh).__name__}")
+
+
+def stored_object_name(rec: ShardRecord) -> str:
+    """The name an object shard's record is stored under (its ``unique_key``)."""
+    return object_unique_key(rec.key, rec.global_offset, rec.global_shape)
 
 
 def _intersection(a: _Block, b: _Block) -> _Block | None:
@@ -281,6 +289,7 @@ def keyed_problems(global_metadata: GlobalMetadata) -> list[KeyProblems]:
     problem (merge reports of disjoint key sets with :func:`merge_key_problems`)."""
     tensors: dict[str, list[tuple[int, ShardRecord]]] = defaultdict(list)
     objects: dict[str, list[tuple[int, ShardRecord]]] = defaultdict(list)
+    names: dict[str, str] = {}  # the stored name of each object shard -> its object key
     for rank, rank_metadata in enumerate(global_metadata):
         for sh in rank_metadata:
             if type(sh) is ShardRecord:
@@ -289,10 +298,26 @@ def keyed_problems(global_metadata: GlobalMetadata) -> list[KeyProblems]:
                 rec = shard_record(sh)
             else:
                 continue
+            if rec.is_tensor is None:
+                names[rec.key] = rec.dtype
+                continue
             (tensors if rec.is_tensor else objects)[rec.key].append((rank, rec))
+            if not rec.is_tensor:
+                names[stored_object_name(rec)] = rec.key
     out: list[KeyProblems] = [
         (_SECTION_MIXED, key, [f"'{key}': used both as a ShardedTensor and as a ShardedObject"])
         for key in tensors.keys() & objects.keys()
+    ]
+    out += [
+        (
+            _SECTION_MIXED,
+            name,
+            [
+                f"'{name}': a ShardedTensor key that is the stored name of ShardedObject "
+                f"'{names[name]}' (one of its shards): one would overwrite the other"
+            ],
+        )
+        for name in tensors.keys() & names.keys()
     ]
     for key, shards in tensors.items():
         if not _tiles_exactly(shards):

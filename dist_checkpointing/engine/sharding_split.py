@@ -41,6 +41,7 @@ from .sharding_check import (
     keyed_problems,
     merge_key_problems,
     sharding_integrity_problems,
+    stored_object_name,
 )
 
 # A record on the wire: a ShardRecord as a plain tuple (pickles several times faster).
@@ -71,10 +72,14 @@ def records_by_owner(records: Sequence[ShardRecord], world: int) -> list[list[Wi
     owners: dict[str, list[WireRecord]] = {}
     one: dict[Any, Any] = {}
     same = one.setdefault
-    for key, is_tensor, dtype, shape, offset, chunk, flat, is_main in records:
+    for rec in records:
+        key, is_tensor, dtype, shape, offset, chunk, flat, is_main = rec
         dest = owners.get(key)
         if dest is None:
             dest = owners[key] = out[key_owner(key, world)]
+        if not is_tensor:  # the owner of its stored name checks that no tensor has it
+            name = stored_object_name(rec)
+            out[key_owner(name, world)].append((name, None, key, (), (), (), None, is_main))
         dest.append(
             (
                 key,
@@ -146,14 +151,19 @@ def validate_sharding_split(
     records: Sequence[ShardRecord],
     group: RankGroup,
     validated: ValidatedStructure | None = None,
+    local_error: BaseException | None = None,
 ) -> None:
     """Check the sharding of every rank's ``records``, each key on its owner rank
     (collective over ``group``; every rank raises the same :class:`ShardingError`).
 
     With ``validated``: skipped after one all-reduce when no rank's records changed
     since the last save every rank validated; updated after a passing check.
+    ``local_error``: this rank failed before the check (its records are not to be
+    used): raised on every rank in the check's first all-reduce.
     """
     digest: int | None = None
+    if local_error is not None and not group.distributed:
+        raise local_error
     if not group.distributed:  # one rank: the same cache, no vote
         digest = None if validated is None else structure_digest(records, 0, 1, group.members)
         if validated is not None and validated.digest == digest:
@@ -163,13 +173,13 @@ def validate_sharding_split(
             validated.digest = digest
         return
     outgoing: list[list[WireRecord]] | None = None
-    error: BaseException | None = None
+    error: BaseException | None = local_error
     changed = True
     try:
-        if validated is not None:
+        if error is None and validated is not None:
             digest = structure_digest(records, group.rank, group.world, group.members)
             changed = digest != validated.digest
-        if changed:  # (unchanged records were grouped without error at the last check)
+        if error is None and changed:  # (unchanged records were grouped at the last check)
             outgoing = records_by_owner(records, group.world)
     except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
         error = e

@@ -500,3 +500,45 @@ def test_mcore_async_strategy_is_accepted(tmp_path: Path) -> None:
     dcp.save({"a": _whole("a", _ref("a"))}, tmp_path, async_strategy="mcore")
     out = dcp.load({"a": _whole("a", torch.zeros(SHAPE))}, tmp_path)
     assert isinstance(out, dict) and torch.equal(out["a"], _ref("a"))
+
+
+def _rank_fails_before_the_first_collective(root: str, how: str, validate: bool) -> str:
+    """Rank 1 gets bad input that fails before any collective of ``save``; rank 0 gets
+    a good state dict. Both must raise (never wait for each other); what each raised."""
+    rank = dist.get_rank()
+    ckpt = Path(root) / "ckpt"
+    good = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4), (0, rank, 2))}
+    state: Any = good
+    if rank == 1 and how == "list":
+        state = list(good.values())
+    if rank == 1 and how == "factory":
+        w = good["w"]
+
+        def boom(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> Any:
+            raise ValueError("the factory of rank 1 fails")
+
+        state = {"w": dcp.ShardedTensorFactory("w", w.data, boom, lambda x: x)}
+    target = Path(root) / "missing" if (rank == 1 and how == "missing dir") else ckpt
+    if rank == 0:
+        ckpt.mkdir(exist_ok=True)
+    dist.barrier()
+    try:
+        dcp.save(state, target, validate_access_integrity=validate)
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validated", "unvalidated"])
+@pytest.mark.parametrize("how", ["list", "factory", "missing dir"])
+def test_a_save_failing_on_one_rank_before_any_collective_raises_on_every_rank(
+    tmp_path: Path, how: str, validate: bool
+) -> None:
+    results = run_distributed(
+        _rank_fails_before_the_first_collective, 2, str(tmp_path), how, validate, timeout=60
+    )
+    assert results[1] != "saved" and results[0].startswith("RankFailureError"), results
+    assert "rank 1" in results[0], results
+    cause = {"list": "must be a dict", "factory": "factory of rank 1", "missing dir": "missing"}
+    assert cause[how] in results[0] and cause[how] in results[1], results
+    assert not (tmp_path / "ckpt" / "metadata.json").exists()  # nothing committed

@@ -1,4 +1,4 @@
-"""Regressions found by fuzzing the load path, both layouts.
+"""Regressions found by fuzzing the load and save paths, both layouts.
 
 - Checksum blocks whose size is not a multiple of the element size (the knob takes any
   size from 4,096 bytes, and an index from another writer may say anything): a
@@ -8,6 +8,11 @@
 - A destination that torch calls contiguous with a stride other than 1 on a dimension of
   size 1 (``torch.zeros(8)[::2][2:3]``): a ``torch_dist`` item read straight into it
   failed with torch's ``RuntimeError`` ("stride(-1) must be 1 to view Float as Byte").
+- A synchronous ``raw_bytes`` save of a non-contiguous local tensor (strided rows, a
+  transpose, an expand) wrote the bytes at its data pointer as if it were contiguous:
+  wrong values, and bytes from past the tensor, with no error.
+- A ``torch_dist`` load of a request holding one ShardedObject shard twice (a main and a
+  non-main replica) filled only the last one; the others came back None.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import pytest
 import torch
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
+from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.engine.storage.tensor_bytes import byte_view
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from tests.support.layouts import same_bits
@@ -103,3 +108,57 @@ def test_byte_view_sees_the_bytes_of_any_contiguous_tensor(make: object) -> None
 def test_byte_view_refuses_a_tensor_that_is_not_contiguous() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         byte_view(torch.zeros(4, 4).t())
+
+
+def _views() -> dict[str, torch.Tensor]:
+    values = torch.arange(1.0, 9.0).reshape(4, 2)
+    rows = torch.zeros(8, 2)
+    rows[::2] = values
+    cols = torch.zeros(4, 6)
+    cols[:, 1::3] = values
+    return {
+        "strided rows": rows[::2],
+        "strided columns": cols[:, 1::3],
+        "transposed": values.t().contiguous().t(),
+        "expanded": torch.tensor([[1.0, 2.0]]).expand(4, 2),
+        "offset slice": torch.arange(20.0)[3:11].reshape(4, 2),  # contiguous, offset
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("how", ["sync", "async", "sync, no copy-ahead"])
+def test_views_of_other_tensors_save_their_own_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, how: str
+) -> None:
+    if how.endswith("no copy-ahead"):
+        monkeypatch.setenv("DIST_CKPT_COPY_AHEAD_BYTES", "0")
+    views = _views()
+    state = {k: ShardedTensor.from_rank_offsets(k, v) for k, v in views.items()}
+    strategy = get_default_save_sharded_strategy(layout, 1)
+    request = dc.save(state, tmp_path, strategy, async_sharded_save=how == "async")
+    if request is not None:
+        request.execute_sync()
+    loaded = dc.load(
+        {k: ShardedTensor.from_rank_offsets(k, torch.empty(4, 2)) for k in views}, tmp_path
+    )
+    for k, v in views.items():
+        assert same_bits(loaded[k], v.contiguous()), (k, loaded[k], v)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_copy_of_an_object_shard_in_a_request_is_filled(tmp_path: Path, layout: str) -> None:
+    payload = {"step": 7, "names": ["a", "b"]}
+    dc.save(
+        {"o": ShardedObject("o", payload, (1,), (0,))},
+        tmp_path,
+        get_default_save_sharded_strategy(layout, 1),
+    )
+    request = {
+        "main": ShardedObject("o", None, (1,), (0,), replica_id=0),
+        "replica": ShardedObject("o", None, (1,), (0,), replica_id=1),
+        "nested": [ShardedObject("o", None, (1,), (0,), replica_id=2)],
+    }
+    out = dc.load(request, tmp_path)
+    assert out["main"] == payload and out["replica"] == payload and out["nested"] == [payload]
+    out["main"]["step"] = 8  # each copy is its own object
+    assert out["replica"]["step"] == 7

@@ -4,6 +4,7 @@ in the same order."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -75,6 +76,28 @@ def test_a_key_used_as_tensor_and_object_is_reported_by_its_owner() -> None:
     expected = sharding_integrity_problems(metadata)  # type: ignore[arg-type]
     assert expected[0] == "'k': used both as a ShardedTensor and as a ShardedObject"
     assert split_problems(metadata) == expected
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_a_tensor_named_like_an_object_shard_is_reported_by_the_owner_of_the_name(
+    world: int,
+) -> None:
+    """A tensor key equal to an object shard's stored name (its unique key) would make
+    one overwrite the other in the checkpoint: reported once, whichever ranks hold them
+    and whichever ranks own the two keys (the object is routed by its key, the claim of
+    its stored name by that name)."""
+    o = ShardedObject("o", None, (2,), (1,))
+    t = ShardedTensor(o.unique_key, None, torch.float32, (4,), (4,), (0,), None)
+    assert key_owner("o", 5) != key_owner(o.unique_key, 5)  # different owners at 5 ranks
+    other = ShardedObject("o", None, (2,), (0,))  # the other shard: no problem of its own
+    for where in ([[o, other, t]] + [[]] * (world - 1), [[o], [other, t]] + [[]] * (world - 2)):
+        metadata: list[list[object]] = where[:world] if world > 1 else [[o, other, t]]
+        expected = sharding_integrity_problems(metadata)  # type: ignore[arg-type]
+        assert expected == [
+            f"'{o.unique_key}': a ShardedTensor key that is the stored name of ShardedObject "
+            "'o' (one of its shards): one would overwrite the other"
+        ]
+        assert split_problems(metadata) == expected
 
 
 def test_owner_is_stable_and_spread() -> None:

@@ -77,8 +77,9 @@ class StageRankWrite(StagingStep):
     slots are the tensors of ``write.items``; a non-contiguous one must be copied (the
     writer writes raw memory). Works in place (the result is None).
 
-    With ``deferred`` (a synchronous save with a copy-ahead budget) it copies nothing:
-    :func:`write_rank` streams accelerator tensors through the staging pool.
+    With ``deferred`` (a synchronous save with a copy-ahead budget) it copies only the
+    non-contiguous host tensors: :func:`write_rank` streams accelerator tensors through
+    the staging pool.
     """
 
     write: RankWrite
@@ -90,6 +91,14 @@ class StageRankWrite(StagingStep):
             for file_items in self.write.items
             for i, (_, _, data) in enumerate(file_items)
             if isinstance(data, torch.Tensor)
+        ]
+
+    def host_copies(self) -> list[TensorSlot]:
+        return [
+            TensorSlot(file_items, i, 2, required=True)
+            for file_items in self.write.items
+            for i, (_, _, data) in enumerate(file_items)
+            if isinstance(data, torch.Tensor) and data.is_cpu and not data.is_contiguous()
         ]
 
 
@@ -324,6 +333,8 @@ def _host_buffer(data: Any, size: int) -> Any:
         return b""
     if type(data) is bytes:
         return data
+    if not data.is_contiguous():  # the staging step copies these: never write past them
+        raise ValueError(f"a non-contiguous tensor of shape {tuple(data.shape)} reached the writer")
     return (ctypes.c_char * size).from_address(data.data_ptr())
 
 

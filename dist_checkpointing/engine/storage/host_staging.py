@@ -18,8 +18,9 @@ Call sequence (the saving process, once per save): the layout builds the step wi
 request; then exactly one of ``step()`` or ``[copier over step.slots()]`` followed by
 ``step.result()``; then the write, from the structures the step filled.
 
-A step built ``deferred`` (a synchronous save with a copy-ahead budget) copies nothing:
-its writer streams accelerator tensors through the staging pool while it writes.
+A step built ``deferred`` (a synchronous save with a copy-ahead budget) copies only the
+host tensors its writer cannot take as they are (:meth:`StagingStep.host_copies`): its
+writer streams accelerator tensors through the staging pool while it writes.
 """
 
 from __future__ import annotations
@@ -68,14 +69,19 @@ class StagingStep(ABC):
         they are (``required``); host tensors the writer takes may be listed too (an
         async caller that snapshots host tensors copies them)."""
 
+    def host_copies(self) -> list[TensorSlot]:
+        """The host tensors the writer cannot take as they are (the ``required`` slots on
+        the host): a deferred step copies these still (the writer streams only
+        accelerator tensors). A layout may list them faster than this filter does."""
+        return [s for s in self.slots() if s.required and s.get().is_cpu]
+
     def result(self) -> Any:
         """What the step returns once staged (replaces ``async_fn_args[1]``; None:
         the arguments stay as they are)."""
         return None
 
     def __call__(self) -> Any:
-        if not self.deferred:
-            stage_slots(self.slots())
+        stage_slots(self.host_copies() if self.deferred else self.slots())
         return self.result()
 
 

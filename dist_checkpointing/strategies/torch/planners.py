@@ -246,7 +246,8 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
     def __init__(self, object_loader: ObjectLoader) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._load_object = object_loader
-        self._objects: dict[str, ShardedObject] = {}
+        # Every requested copy of an object shard, by key (a rank may hold several).
+        self._objects: dict[str, list[ShardedObject]] = {}
         self._layout: ReadLayout | None = None
 
     def set_up_planner(
@@ -309,7 +310,7 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
         for key, shards in self.state_dict.items():
             for sh in shards:
                 if isinstance(sh, ShardedObject):
-                    self._objects[key] = sh
+                    self._objects.setdefault(key, []).append(sh)
                 else:
                     assert isinstance(sh, ShardedTensor)
                     self.layout.plan_tensor(key, sh)
@@ -356,11 +357,13 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
-        payload = self._load_object(value.getvalue(), key)
-        # Megatron-Core stores torch.save([payload]); a bare payload is accepted too.
-        if isinstance(payload, list) and len(payload) == 1:
-            payload = payload[0]
-        self._objects[key].data = payload
+        data = value.getvalue()
+        for sh in self._objects[key]:  # each copy gets its own payload
+            payload = self._load_object(data, key)
+            # Megatron-Core stores torch.save([payload]); a bare payload is accepted too.
+            if isinstance(payload, list) and len(payload) == 1:
+                payload = payload[0]
+            sh.data = payload
 
     def check_complete(self) -> None:
         """Raise if some staging buffer did not receive all its reads."""
