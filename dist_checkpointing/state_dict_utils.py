@@ -13,9 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from .engine.collectives import ProcessGroup, RankGroup
 from .engine.sharding_split import ValidatedStructure, validate_sharding_split
+from .errors import UnsupportedFeatureError
 from .mapping import (
     CommonStateDict,
     LocalNonpersistentObject,
@@ -53,12 +56,36 @@ class _LeafKinds:
     empty_flat: bool = False
 
 
+# Tensors no layout stores as bytes: quantized and sub-byte dtypes (torch.save writes
+# some of them, but they do not load back), and any layout but strided (sparse, ...).
+_UNSTORABLE_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "quint8", "qint8", "qint32", "quint4x2", "quint2x4",
+        *(f"uint{n}" for n in range(1, 8)),
+        *(f"int{n}" for n in range(1, 8)),
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+)  # fmt: skip
+
+
+def _check_storable(sh: ShardedTensor) -> None:
+    data = sh.data
+    if data is not None and (data.layout is not torch.strided or data.dtype in _UNSTORABLE_DTYPES):
+        what = data.dtype if data.layout is torch.strided else data.layout
+        raise UnsupportedFeatureError(
+            f"ShardedTensor {sh.key!r}: tensors of {what} cannot be saved (only dense "
+            "tensors of non-quantized dtypes of whole bytes)"
+        )
+
+
 def _leaf_kinds(state_dict: ShardedStateDict) -> _LeafKinds:
     if not isinstance(state_dict, (dict, list)):  # the full path reports the error
         return _LeafKinds(True, True, True)
     kinds = _LeafKinds()
     for v in nested_values(state_dict):
         if isinstance(v, ShardedTensor):
+            _check_storable(v)
             fr = v.flattened_range
             if fr is not None and fr.stop <= fr.start:
                 kinds.empty_flat = True

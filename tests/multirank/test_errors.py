@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import dist_checkpointing as dcp
 from dist_checkpointing import ShardedObject, ShardedTensor, StrictHandling
 from dist_checkpointing import errors as E
 from dist_checkpointing.engine.storage.reader import FileSystemReader
+from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.support.harness import run_distributed
 
@@ -542,3 +544,64 @@ def test_a_save_failing_on_one_rank_before_any_collective_raises_on_every_rank(
     cause = {"list": "must be a dict", "factory": "factory of rank 1", "missing dir": "missing"}
     assert cause[how] in results[0] and cause[how] in results[1], results
     assert not (tmp_path / "ckpt" / "metadata.json").exists()  # nothing committed
+
+
+def _unstorable(kind: str) -> torch.Tensor:
+    if kind == "sparse":
+        return torch.eye(3).to_sparse()
+    dtype = getattr(torch, kind, None)
+    if not isinstance(dtype, torch.dtype):
+        pytest.skip(f"torch {torch.__version__} has no {kind}")
+    if kind == "quint8":
+        with warnings.catch_warnings():  # quantized tensors are deprecated
+            warnings.simplefilter("ignore")
+            return torch.quantize_per_tensor(torch.ones(4), 0.5, 1, dtype)
+    return torch.empty(4, dtype=dtype)
+
+
+@pytest.mark.parametrize("layout", ["torch_dist", "raw_bytes"])
+@pytest.mark.parametrize("kind", ["sparse", "quint8", "uint3", "int4"])
+def test_tensors_no_layout_stores_are_refused_by_key_before_anything_is_written(
+    tmp_path: Path, layout: str, kind: str
+) -> None:
+    dcp.save({"good": ShardedTensor.from_rank_offsets("good", torch.arange(4.0))}, tmp_path)
+    bad = {"odd": ShardedTensor.from_rank_offsets("odd", _unstorable(kind))}
+    strategy = dcp.get_default_save_sharded_strategy(layout, 1)
+    with pytest.raises(E.UnsupportedFeatureError, match="'odd'"):
+        dcp.save(bad, tmp_path, strategy)
+    out = dcp.load({"good": ShardedTensor.from_rank_offsets("good", torch.empty(4))}, tmp_path)
+    assert torch.equal(out["good"], torch.arange(4.0))  # the checkpoint there is intact
+
+
+def _rank_plan_fails(root: str, mode: str) -> str:
+    """raw_bytes: rank 1 holds a dtype the layout cannot store (planning fails on rank 1
+    only, where no collective runs); every rank must raise, none wait."""
+    rank = dist.get_rank()
+    dtype = torch.complex32 if rank == 1 else torch.float32
+    state = {
+        f"w{rank}": ShardedTensor.from_rank_offsets(f"w{rank}", torch.zeros(2, 2, dtype=dtype))
+    }
+    strategy = dcp.get_default_save_sharded_strategy("raw_bytes", 1)
+    queue = AsyncCallsQueue() if mode == "async" else None
+    try:
+        request = dcp.save(state, root, strategy, async_sharded_save=queue is not None)
+        if queue is not None:
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if queue is not None:
+            queue.close()
+    return "saved"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_raw_bytes_plan_failing_on_one_rank_raises_on_every_rank(
+    tmp_path: Path, mode: str
+) -> None:
+    results = run_distributed(_rank_plan_fails, 2, str(tmp_path), mode, timeout=90)
+    for text in results:
+        assert text.startswith("CheckpointWriteError"), results
+        assert "rank(s) [1]" in text and "'w1'" in text and "complex32" in text, results
+    assert not (tmp_path / "metadata.json").exists()

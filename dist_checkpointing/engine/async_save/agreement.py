@@ -102,6 +102,7 @@ def _run_finalize_fns(
     finalize_fns: Sequence[Callable[[], None]],
     group: dist.ProcessGroup | None,
     no_dist: bool,
+    what: str = "finalizing async checkpoint save",
 ) -> None:
     """Run the finalize functions in order, then make a failure on any rank an
     error on every rank (so no rank goes on believing the checkpoint is complete)."""
@@ -113,4 +114,4 @@ def _run_finalize_fns(
         status = _CallStatus(
             call_idx, _State.FAILED, format_current_exception("a finalize function raised")
         )
-    _raise_on_failure(_settle(status, group, no_dist), "finalizing async checkpoint save")
+    _raise_on_failure(_settle(status, group, no_dist), what)

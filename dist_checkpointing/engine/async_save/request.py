@@ -176,7 +176,13 @@ class AsyncRequest:
         try:
             outcome = _settle(status, process_group, no_dist)
             _raise_on_failure(outcome, "synchronous checkpoint save")
-            _run_finalize_fns(self.call_idx, self.finalize_fns, process_group, no_dist)
+            _run_finalize_fns(
+                self.call_idx,
+                self.finalize_fns,
+                process_group,
+                no_dist,
+                "finalizing synchronous checkpoint save",
+            )
         except BaseException:
             self.run_abort_fns()
             raise

@@ -107,6 +107,11 @@ def _write_index(ckpt: CheckpointDir, pieces: list[IndexPiece], block_bytes: int
     logger.debug("%s: index of %d entries in %d files", ckpt, len(index.entries), len(index.files))
 
 
+def _refuse(cause: str) -> None:
+    """The ``async_fn`` of a rank whose plan failed (module-level: picklable)."""
+    raise CheckpointWriteError(cause)
+
+
 def save_request(
     leaves: list[ShardedBase],
     ckpt: CheckpointDir,
@@ -114,11 +119,17 @@ def save_request(
     file_count: int,
     in_process: bool,
 ) -> AsyncRequest:
-    """Steps 1-4 as one request (see the module docstring)."""
+    """Steps 1-4 as one request (see the module docstring). Planning has no collective:
+    a rank whose plan fails returns a request that fails when run, so that every rank
+    learns of it where the others wait (the request's agreement), none hangs."""
     block_bytes = ckpt.context.block_bytes  # 0: the WRITE_CHECKSUMS knob is off
-    wr, piece = plan_rank(
-        leaves, ckpt.root, group.rank, file_count, ALIGNMENT, block_bytes, ckpt.context.save_tag
-    )
+    try:
+        wr, piece = plan_rank(
+            leaves, ckpt.root, group.rank, file_count, ALIGNMENT, block_bytes, ckpt.context.save_tag
+        )
+    except Exception:  # noqa: BLE001 - reported on every rank by the request
+        cause = format_current_exception(f"rank {group.rank} planning its data files")
+        return AsyncRequest(_refuse, (cause,), [])
     results: Any = queue.SimpleQueue() if in_process else FileResultsQueue(group.rank)
     fin = functools.partial(finalize, ckpt, group, wr, piece, results)
     # A synchronous save with a copy-ahead budget stages nothing up front: the writer

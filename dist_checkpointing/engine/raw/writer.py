@@ -158,7 +158,13 @@ def _add_tensor(out: _Leaves, sh: ShardedTensor) -> None:
         out.flat.append((fr.start, fr.stop))
     dtype = sh.dtype
     out.keys.append(sh.key)
-    out.dtypes.append(DTYPE_NAMES.get(dtype) or dtype_name(dtype))
+    name = DTYPE_NAMES.get(dtype)
+    if name is None:
+        try:
+            name = dtype_name(dtype)
+        except ValueError as exc:
+            raise ValueError(f"ShardedTensor {sh.key!r}: {exc}") from None
+    out.dtypes.append(name)
     gshape = sh.global_shape
     out.ndims.append(len(gshape))
     dims = out.dims
