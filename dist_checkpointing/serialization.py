@@ -138,6 +138,28 @@ def _gc_paused_call(fn: _F) -> _F:
 # --------------------------------------------------------------------------- save
 
 
+def _open_for_save(
+    checkpoint_dir: str | os.PathLike[str],
+    strategies: tuple[Any, Any],
+    async_sharded_save: bool,
+    async_strategy: str | None,
+    validate_access_integrity: bool,
+    process_group: ProcessGroup,
+) -> tuple[SaveShardedStrategy, SaveCommonStrategy, CheckpointDir]:
+    """The strategies and the directory of a save. A failure here on one rank joins the
+    first collective the other ranks reach (:func:`save_preprocess`'s), which raises it
+    on every rank."""
+    try:
+        check_async_strategy(async_strategy)
+        sharded, common = save_strategies(*strategies, async_sharded_save, process_group)
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        ckpt.require_dir("Checkpoint destination directory", for_writing=True)
+    except Exception as exc:  # one verdict: this rank joins the others' first collective
+        save_preprocess({}, validate_access_integrity, None, process_group, None, exc)
+        raise  # (save_preprocess raised it already, on every rank)
+    return sharded, common, ckpt
+
+
 @_gc_paused_call
 def save(
     sharded_state_dict: ShardedStateDict,
@@ -174,9 +196,8 @@ def save(
         validate_access_integrity: check the sharding before saving.
         async_sharded_save: return an :class:`AsyncRequest` instead of writing now;
             schedule it on an ``AsyncCallsQueue`` and finalize it on every rank.
-        preprocess_common_before_consistancy_check: (sic, Megatron-Core's
-            spelling of "consistency") a function applied to the common state
-            before comparing it across ranks (drop values expected to differ).
+        preprocess_common_before_consistancy_check: (sic: Megatron-Core's spelling)
+            applied to the common state before it is compared across ranks.
         async_strategy: Megatron-Core 0.19's choice of async writer: ``"mcore"``
             (or None) selects ours; ``"nvrx"`` is not supported.
         verify_integrity: record a sha256 of every data file (``integrity.json``).
@@ -189,16 +210,14 @@ def save(
         The AsyncRequest with ``async_sharded_save=True``, else None.
     """
     group = RankGroup(process_group)
-    try:
-        check_async_strategy(async_strategy)
-        sharded, common = save_strategies(
-            sharded_strategy, common_strategy, async_sharded_save, process_group
-        )
-        ckpt = CheckpointDir.of(checkpoint_dir)
-        ckpt.require_dir("Checkpoint destination directory", for_writing=True)
-    except Exception as exc:  # one verdict: this rank joins the others' first collective
-        save_preprocess({}, validate_access_integrity, None, process_group, None, exc)
-        raise  # (save_preprocess raised it already, on every rank)
+    sharded, common, ckpt = _open_for_save(
+        checkpoint_dir,
+        (sharded_strategy, common_strategy),
+        async_sharded_save,
+        async_strategy,
+        validate_access_integrity,
+        process_group,
+    )
     account = OpAccount(logger, "save", ckpt, group.rank)
     with account.phase("validate"):
         check_common = preprocess_common_before_consistancy_check
