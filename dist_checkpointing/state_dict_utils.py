@@ -79,13 +79,15 @@ def _check_storable(sh: ShardedTensor) -> None:
         )
 
 
-def _leaf_kinds(state_dict: ShardedStateDict) -> _LeafKinds:
+def _leaf_kinds(state_dict: ShardedStateDict, saving: bool = False) -> _LeafKinds:
+    """Which steps ``state_dict`` needs; ``saving``: also refuse tensors no layout stores."""
     if not isinstance(state_dict, (dict, list)):  # the full path reports the error
         return _LeafKinds(True, True, True)
     kinds = _LeafKinds()
     for v in nested_values(state_dict):
         if isinstance(v, ShardedTensor):
-            _check_storable(v)
+            if saving:
+                _check_storable(v)
             fr = v.flattened_range
             if fr is not None and fr.stop <= fr.start:
                 kinds.empty_flat = True
@@ -108,7 +110,7 @@ def split_for_save(
         )
     # Each step is a pass that copies the containers: one cheap pass first finds which
     # are needed (a factory may build anything, so with one every step runs).
-    kinds = _leaf_kinds(sharded_state_dict)
+    kinds = _leaf_kinds(sharded_state_dict, saving=True)
     persistent = sharded_state_dict
     if kinds.factories:
         apply_factories(sharded_state_dict)
