@@ -302,7 +302,7 @@ def keyed_problems(global_metadata: GlobalMetadata) -> list[KeyProblems]:
                 names[rec.key] = rec.dtype
                 continue
             (tensors if rec.is_tensor else objects)[rec.key].append((rank, rec))
-            if not rec.is_tensor:
+            if not rec.is_tensor and rec.is_main:  # the shards that are stored
                 names[stored_object_name(rec)] = rec.key
     out: list[KeyProblems] = [
         (_SECTION_MIXED, key, [f"'{key}': used both as a ShardedTensor and as a ShardedObject"])

@@ -77,7 +77,7 @@ def records_by_owner(records: Sequence[ShardRecord], world: int) -> list[list[Wi
         dest = owners.get(key)
         if dest is None:
             dest = owners[key] = out[key_owner(key, world)]
-        if not is_tensor:  # the owner of its stored name checks that no tensor has it
+        if not is_tensor and is_main:  # the owner of its stored name checks no tensor has it
             name = stored_object_name(rec)
             out[key_owner(name, world)].append((name, None, key, (), (), (), None, is_main))
         dest.append(
