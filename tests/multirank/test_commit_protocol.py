@@ -296,6 +296,24 @@ def test_verify_splits_the_work_over_ranks(tmp_path: Path) -> None:
     assert reports[0].bytes_checked == single.bytes_checked > 0
 
 
+def _verify_where_one_rank_cannot_see_it(ckpt: Path) -> str:
+    """Rank 1 is given a directory it cannot find (a node without the shared mount):
+    every rank must raise, none wait in the gather of the shares."""
+    path = ckpt if dist.get_rank() == 0 else ckpt.parent / "not-mounted"
+    try:
+        dcp.verify(path)
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    return "verified"
+
+
+def test_verify_failing_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    run_distributed(_save_v1, 2, tmp_path, timeout=60.0)
+    results = run_distributed(_verify_where_one_rank_cannot_see_it, 2, tmp_path, timeout=60.0)
+    assert results[0].startswith("RankFailureError") and "rank 1" in results[0], results
+    assert "not-mounted" in results[0] and "not-mounted" in results[1], results
+
+
 def _corrupt_and_load(ckpt: Path) -> str:
     try:
         out = _load_all(ckpt)

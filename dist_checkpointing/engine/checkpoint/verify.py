@@ -147,20 +147,11 @@ def _check_legacy(ckpt: CheckpointDir) -> list[str]:
     return problems
 
 
-def verify(
-    checkpoint_dir: str | os.PathLike[str],
-    process_group: ProcessGroup = None,
-    *,
-    raise_on_error: bool = True,
-) -> VerifyReport:
-    """Check the whole checkpoint in ``checkpoint_dir`` (collective over the callers).
-
-    Raises (with ``raise_on_error``, on every rank):
-        IncompleteCheckpointError: a file of the checkpoint is missing.
-        CorruptCheckpointError: a file has the wrong size or fails its checksums.
-    """
-    ckpt = CheckpointDir.of(checkpoint_dir)
-    group = RankGroup(process_group)
+def _verify_share(
+    ckpt: CheckpointDir, group: RankGroup
+) -> tuple[VerifyReport, list[str], list[int]]:
+    """This rank's share of :func:`verify` (no communication): the report to fill, the
+    problems found and ``[files, bytes]`` checked."""
     ckpt.require_dir()
     record = open_for_read(ckpt, verify=False)
     report = VerifyReport(
@@ -178,19 +169,41 @@ def verify(
             problems += _check_file(ckpt, record, name, layout)
             checked[0] += 1
             checked[1] += sizes[name]
+    return report, problems, checked
+
+
+def verify(
+    checkpoint_dir: str | os.PathLike[str],
+    process_group: ProcessGroup = None,
+    *,
+    raise_on_error: bool = True,
+) -> VerifyReport:
+    """Check the whole checkpoint in ``checkpoint_dir`` (collective over the callers).
+
+    Raises (with ``raise_on_error``, on every rank):
+        IncompleteCheckpointError: a file of the checkpoint is missing.
+        CorruptCheckpointError: a file has the wrong size or fails its checksums.
+    """
+    group = RankGroup(process_group)
+    error: BaseException | None = None
+    try:
+        report, problems, checked = _verify_share(CheckpointDir.of(checkpoint_dir), group)
+    except Exception as exc:  # noqa: BLE001 - one verdict: raised on every rank below
+        error = exc
+    group.fail_together(error, f"Verifying {checkpoint_dir}")
     gathered = group.all_gather((problems, checked))
     for rank_problems, (files, nbytes) in gathered:
         report.problems += rank_problems
         report.files_checked += files
         report.bytes_checked += nbytes
     if report.problems and raise_on_error:
-        text = f"{ckpt}: verification failed:\n  " + "\n  ".join(report.problems)
+        text = f"{report.checkpoint}: verification failed:\n  " + "\n  ".join(report.problems)
         if any(p.endswith(": missing") for p in report.problems):
             raise IncompleteCheckpointError(text)
         raise CorruptCheckpointError(text)
     logger.info(
         "%s: verified %d files (%d bytes), checksums %s, %d problem(s)",
-        ckpt,
+        report.checkpoint,
         report.files_checked,
         report.bytes_checked,
         report.checksums,
