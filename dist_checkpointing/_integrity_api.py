@@ -75,7 +75,7 @@ def verify_integrity_manifest(checkpoint_dir: str | os.PathLike[str]) -> None:
     if group.is_coordinator:
         try:
             _verify_all(ckpt)
-        except CheckpointingException as e:
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
             error = e
     message = group.broadcast(None if error is None else str(error))
     if error is not None:

@@ -93,18 +93,23 @@ def finalize_save(
         return sharded_strategy.files_written_by(ckpt, group.rank) + common_strategy.files(ckpt)
 
     with account.phase("finalize"):
+        error: BaseException | None = None
+        config = CheckpointingConfig(
+            sharded_strategy.backend,
+            sharded_strategy.version,
+            common_strategy.backend,
+            common_strategy.version,
+        )
         try:
             if verify_integrity:
                 names = written()
                 if group.is_coordinator:  # the format's metadata (.metadata) is covered too
                     names += [n for n in sharded_strategy.commit_files if ckpt.has(n)]
                 integrity.record(ckpt, group, names)
-            config = CheckpointingConfig(
-                sharded_strategy.backend,
-                sharded_strategy.version,
-                common_strategy.backend,
-                common_strategy.version,
-            )
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        try:  # a failure on any rank: nothing is committed, on every rank
+            group.fail_together(error, f"Finalizing the save of {ckpt}")
         except BaseException:
             commit.abort(ckpt, group)
             raise

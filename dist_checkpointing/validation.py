@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from collections.abc import Iterable, Sequence
 from enum import Enum
 
@@ -312,12 +313,20 @@ def validate_common_state_dict(
     group = RankGroup(process_group)
     if not group.distributed:
         return
-    gathered = group.gather(common_state_dict)
+    # Pickled here, not inside the gather: a value one rank cannot pickle is compared
+    # as the error it raised, instead of leaving the other ranks in the gather.
+    try:
+        blob: bytes | str = pickle.dumps(common_state_dict, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - reported as a difference, never a hang
+        blob = f"<common state that cannot be pickled: {type(exc).__name__}: {exc}>"
+    gathered = group.gather(blob)
     if gathered is None:
         return
+    # The ranks of this job, as in gather_object.
+    states = [pickle.loads(b) if isinstance(b, bytes) else b for b in gathered]
     differences = {}
-    for rank, other in enumerate(gathered[1:], start=1):
-        only_first, only_other, mismatch = diff(gathered[0], other)
+    for rank, other in enumerate(states[1:], start=1):
+        only_first, only_other, mismatch = diff(states[0], other)
         if only_first or only_other or mismatch:
             differences[rank] = (only_first, only_other, mismatch)
     if differences:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
+from dist_checkpointing.engine.checkpoint import integrity
 from dist_checkpointing.engine.checkpoint.lock import LOCK_NAME
 from dist_checkpointing.errors import (
     CheckpointingException,
@@ -509,3 +510,42 @@ def test_commit_record_names_stay_inside_the_directory(tmp_path: Path, where: st
         with pytest.raises(UnsafeCheckpointError, match="commit.json"):
             attempt()
     assert victim.read_bytes() == b"precious"
+
+
+def _save_failing_on_one_rank(ckpt: Path, where: str) -> str:
+    """Over a committed version 1, save version 2 with one step failing on one rank
+    only: a common state rank 0 (which writes common.pt) cannot pickle, a value only
+    rank 1 cannot pickle (compared, not saved: the save goes on), or a file digest that
+    fails on rank 1 (``verify_integrity``). Every rank must raise or every rank save."""
+    rank = dist.get_rank()
+    state = _state(2)
+    if where == "common on rank 0" and rank == 0:
+        state["hook"] = lambda: None
+    if where == "common on rank 1" and rank == 1:
+        state["hook"] = lambda: None
+    if where == "digest on rank 1" and rank == 1:
+
+        def unreadable(ckpt: Any, name: str) -> str:
+            raise OSError(f"cannot read {name}")
+
+        integrity.file_digest = unreadable  # type: ignore[assignment]
+    try:
+        dcp.save(state, ckpt, verify_integrity=where.startswith("digest"))
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.parametrize("where", ["common on rank 0", "common on rank 1", "digest on rank 1"])
+def test_a_save_step_failing_on_one_rank_raises_on_every_rank(tmp_path: Path, where: str) -> None:
+    run_distributed(_save_v1, 2, tmp_path, timeout=60.0)
+    results = run_distributed(_save_failing_on_one_rank, 2, tmp_path, where, timeout=60.0)
+    if where == "common on rank 1":  # rank 0's common state is the one saved
+        assert results == ["saved", "saved"], results
+        run_distributed(_check_version, 2, tmp_path, 2, timeout=60.0)
+        return
+    failing = 0 if where.endswith("rank 0") else 1
+    assert results[1 - failing].startswith("RankFailureError"), results
+    assert f"rank {failing}" in results[1 - failing], results
+    assert results[failing] != "saved", results
+    run_distributed(_check_version, 2, tmp_path, 1, timeout=60.0)  # untouched

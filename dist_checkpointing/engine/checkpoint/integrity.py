@@ -59,7 +59,14 @@ def write_manifest(ckpt: CheckpointDir, digests: dict[str, str]) -> None:
 def record(ckpt: CheckpointDir, group: RankGroup, names: Iterable[str]) -> None:
     """Every rank digests ``names`` (the files it wrote); the coordinator writes the
     manifest of all of them (collective)."""
-    gathered = group.gather(digest_files(ckpt, names))
+    digests: dict[str, str] = {}
+    error: BaseException | None = None
+    try:
+        digests = digest_files(ckpt, names)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
+        error = exc
+    group.fail_together(error, f"Digesting the files of {ckpt}")
+    gathered = group.gather(digests)
     if gathered is None:
         return
     merged: dict[str, str] = {}
