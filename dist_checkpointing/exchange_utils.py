@@ -347,7 +347,12 @@ def exchange_loaded_tensors_gather_object(
     result = dict(loaded_tensors)
     for shard_id, sh in unloaded_shards.items():
         if shard_id in everything:
-            raw = torch.frombuffer(bytearray(everything[shard_id]), dtype=torch.uint8)
+            data = everything[shard_id]
+            raw = (  # (frombuffer refuses an empty buffer: a tensor with a 0-size dim)
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if data
+                else torch.empty(0, dtype=torch.uint8)
+            )
             result[shard_id] = _from_bytes(raw, sh)
     return result
 

@@ -75,9 +75,12 @@ def distribute_main_replicas_with_precomputed_distribution(
             sh.replica_id = 0 if main else 1
 
 
-def _local_shard_ids(sharded_state_dict: ShardedStateDict) -> list[_ShardId]:
+def _local_shard_keys(sharded_state_dict: ShardedStateDict) -> list[tuple[Any, ...]]:
+    """What a distribution depends on, per local ShardedTensor: its shard id, local shape
+    and dtype (the sizes balanced and exchanged) and replica id (which group holds the
+    main replica). A cached distribution is reused only while none of it changed."""
     return sorted(
-        _sharded_tensor_shard_id(sh)
+        (_sharded_tensor_shard_id(sh), tuple(sh.local_shape), str(sh.dtype), repr(sh.replica_id))
         for sh in nested_values(sharded_state_dict)
         if isinstance(sh, ShardedTensor)
     )
@@ -88,7 +91,7 @@ class _CachedDistribution:
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.shard_ids: list[_ShardId] | None = None
+        self.shard_keys: list[tuple[Any, ...]] | None = None
         self.distribution: ShardDistribution | None = None
 
     def get(
@@ -99,11 +102,11 @@ class _CachedDistribution:
     ) -> ShardDistribution | None:
         if not self.enabled:
             return compute()
-        ids = _local_shard_ids(sharded_state_dict)
-        changed = int(self.shard_ids != ids)
+        keys = _local_shard_keys(sharded_state_dict)
+        changed = int(self.shard_keys != keys)
         (any_changed,) = RankGroup(group).all_reduce_ints([changed], op=dist.ReduceOp.MAX)
         if any_changed:
-            self.shard_ids, self.distribution = ids, compute()
+            self.shard_keys, self.distribution = keys, compute()
         return self.distribution
 
 

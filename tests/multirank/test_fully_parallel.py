@@ -362,3 +362,89 @@ def test_broadcast_buckets_group_each_owners_shards_up_to_the_limit(
             assert total == entries[0][2]  # alone: exactly its bytes
     sent = sorted(sid for _, _, entries in buckets for sid, _, _ in entries)
     assert sent == sorted(shards)
+
+
+# ------------------------------------------------- regressions found by fuzzing the wrappers
+
+
+def _replicated(key: str, t: torch.Tensor) -> ShardedTensor:
+    return ShardedTensor.from_rank_offsets(key, t, replica_id=dist.get_rank())
+
+
+def _cached_loads_of_changed_tensors(root: str, algo: str) -> list[bool]:
+    """One load wrapper with the distribution cache loads three checkpoints whose 'w'
+    has the same shard id but another shape, then another dtype: each load must plan
+    anew (the sizes it exchanges changed)."""
+    rank = dist.get_rank()
+    versions = [
+        reference_tensor("w", (8, 4), torch.float32),
+        reference_tensor("w", (16, 4), torch.float32),
+        reference_tensor("w", (8, 4), torch.bfloat16),
+    ]
+    load = None
+    ok = []
+    for i, full in enumerate(versions):
+        ckpt = Path(root) / algo / str(i)
+        if rank == 0:
+            ckpt.mkdir(parents=True)
+        dist.barrier()
+        dcp.save({"w": _replicated("w", full.clone())}, ckpt)
+        if load is None:
+            base = dcp.serialization.get_default_load_sharded_strategy(ckpt)
+            load = FullyParallelLoadStrategyWrapper(
+                base, do_cache_distribution=True, exchange_algo=algo
+            )
+        out = dcp.load({"w": _replicated("w", torch.zeros_like(full))}, ckpt, load)
+        ok.append(out["w"].dtype == full.dtype and torch.equal(out["w"], full))
+    return ok
+
+
+@pytest.mark.parametrize("algo", ["broadcast", "gather_rounds", "gather_object"])
+def test_the_load_cache_follows_shape_and_dtype(tmp_path: Path, algo: str) -> None:
+    results = run_distributed(_cached_loads_of_changed_tensors, 2, str(tmp_path), algo)
+    assert results == [[True] * 3] * 2, results
+
+
+def _zero_size_through_gather_object(root: str) -> tuple[int, ...]:
+    rank = dist.get_rank()
+    dcp.save({"z": _replicated("z", torch.zeros(0, 3)), "w": _replicated("w", torch.ones(2))}, root)
+    base = dcp.serialization.get_default_load_sharded_strategy(root)
+    load = FullyParallelLoadStrategyWrapper(base, exchange_algo="gather_object")
+    request = {"z": _replicated("z", torch.ones(0, 3)), "w": _replicated("w", torch.zeros(2))}
+    out = dcp.load(request, root, load)
+    assert torch.equal(out["w"], torch.ones(2)), rank
+    return tuple(out["z"].shape)
+
+
+def test_a_zero_size_tensor_goes_through_the_gather_object_exchange(tmp_path: Path) -> None:
+    assert run_distributed(_zero_size_through_gather_object, 2, str(tmp_path)) == [(0, 3)] * 2
+
+
+def _cached_saves_as_the_main_replica_moves(root: str, layout: str) -> list[bool]:
+    """Data-parallel groups {0, 2} and {1, 3}, one save wrapper each with the
+    distribution cache; between two saves the main replica of 'ln' moves from the
+    first group to the second (same shard ids). Each save must store 'ln' once."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    full = reference_tensor("ln", (6, 5), torch.float32)
+    base = dcp.get_default_save_sharded_strategy(layout, 1)
+    save = FullyParallelSaveStrategyWrapper(base, groups[rank % 2], do_cache_distribution=True)
+    ok = []
+    for step, main in enumerate([0, 1]):
+        ckpt = Path(root) / str(step)
+        if rank == 0:
+            ckpt.mkdir()
+        dist.barrier()
+        state = {
+            "ln": ShardedTensor.from_rank_offsets("ln", full.clone(), replica_id=(rank - main) % 4)
+        }
+        dcp.save(state, ckpt, save)
+        out = dcp.load({"ln": _replicated("ln", torch.zeros(6, 5))}, ckpt)
+        ok.append(torch.equal(out["ln"], full))
+    return ok
+
+
+@pytest.mark.parametrize("layout", ["torch_dist", "raw_bytes"])
+def test_the_save_cache_follows_the_main_replica(tmp_path: Path, layout: str) -> None:
+    results = run_distributed(_cached_saves_as_the_main_replica_moves, 4, str(tmp_path), layout)
+    assert results == [[True, True]] * 4, results
