@@ -367,7 +367,7 @@ def test_broadcast_buckets_group_each_owners_shards_up_to_the_limit(
 # ------------------------------------------------- regressions found by fuzzing the wrappers
 
 
-def _replicated(key: str, t: torch.Tensor) -> ShardedTensor:
+def _held_by_all(key: str, t: torch.Tensor) -> ShardedTensor:
     return ShardedTensor.from_rank_offsets(key, t, replica_id=dist.get_rank())
 
 
@@ -388,13 +388,13 @@ def _cached_loads_of_changed_tensors(root: str, algo: str) -> list[bool]:
         if rank == 0:
             ckpt.mkdir(parents=True)
         dist.barrier()
-        dcp.save({"w": _replicated("w", full.clone())}, ckpt)
+        dcp.save({"w": _held_by_all("w", full.clone())}, ckpt)
         if load is None:
             base = dcp.serialization.get_default_load_sharded_strategy(ckpt)
             load = FullyParallelLoadStrategyWrapper(
                 base, do_cache_distribution=True, exchange_algo=algo
             )
-        out = dcp.load({"w": _replicated("w", torch.zeros_like(full))}, ckpt, load)
+        out = dcp.load({"w": _held_by_all("w", torch.zeros_like(full))}, ckpt, load)
         ok.append(out["w"].dtype == full.dtype and torch.equal(out["w"], full))
     return ok
 
@@ -407,10 +407,10 @@ def test_the_load_cache_follows_shape_and_dtype(tmp_path: Path, algo: str) -> No
 
 def _zero_size_through_gather_object(root: str) -> tuple[int, ...]:
     rank = dist.get_rank()
-    dcp.save({"z": _replicated("z", torch.zeros(0, 3)), "w": _replicated("w", torch.ones(2))}, root)
+    dcp.save({"z": _held_by_all("z", torch.zeros(0, 3)), "w": _held_by_all("w", torch.ones(2))}, root)
     base = dcp.serialization.get_default_load_sharded_strategy(root)
     load = FullyParallelLoadStrategyWrapper(base, exchange_algo="gather_object")
-    request = {"z": _replicated("z", torch.ones(0, 3)), "w": _replicated("w", torch.zeros(2))}
+    request = {"z": _held_by_all("z", torch.ones(0, 3)), "w": _held_by_all("w", torch.zeros(2))}
     out = dcp.load(request, root, load)
     assert torch.equal(out["w"], torch.ones(2)), rank
     return tuple(out["z"].shape)
@@ -439,7 +439,7 @@ def _cached_saves_as_the_main_replica_moves(root: str, layout: str) -> list[bool
             "ln": ShardedTensor.from_rank_offsets("ln", full.clone(), replica_id=(rank - main) % 4)
         }
         dcp.save(state, ckpt, save)
-        out = dcp.load({"ln": _replicated("ln", torch.zeros(6, 5))}, ckpt)
+        out = dcp.load({"ln": _held_by_all("ln", torch.zeros(6, 5))}, ckpt)
         ok.append(torch.equal(out["ln"], full))
     return ok
 
