@@ -30,7 +30,18 @@ from .source import Checkpoint, is_checkpoint_dir, one_line, open_checkpoint
 from .ui import CliError, human_bytes, parse_size, progress
 
 
-def _check_destination(dst: str, is_dir: bool, url_ok: bool = False) -> None:
+def _inside(path: str, root: str) -> bool:
+    """Whether local ``path`` is ``root`` or lies under it (links resolved)."""
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _check_destination(dst: str, is_dir: bool, url_ok: bool = False, src: str = "") -> None:
+    """Refuse a destination the conversion cannot write safely: a non-empty directory,
+    an existing file, one inside the source checkpoint (whose files it would change)
+    or the source itself."""
+    if src and not is_url(src) and not is_url(dst) and _inside(dst, src):
+        raise CliError(f"{dst}: inside the source {src} (write the output elsewhere)")
     if is_url(dst):  # msc://: a prefix, created by its first object
         if not url_ok:
             raise CliError(f"{dst}: this output is written to local files, not to a URL")
@@ -46,6 +57,8 @@ def _check_destination(dst: str, is_dir: bool, url_ok: bool = False) -> None:
         raise CliError(f"{dst}: destination directory is not empty")
     if not is_dir and os.path.isdir(dst):
         raise CliError(f"{dst}: is a directory (give a file name, e.g. model.pt)")
+    if not is_dir and os.path.lexists(dst):
+        raise CliError(f"{dst}: already exists (remove it first, or choose another name)")
 
 
 def file_backed(where: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -131,10 +144,10 @@ def _from_checkpoint(args: argparse.Namespace, bar_on: bool | None) -> int:
     if not keys:
         raise CliError(f"{args.src}: no tensor matches {args.keys!r}")
     if args.to == "torch":
-        _check_destination(args.dst, is_dir=False)
+        _check_destination(args.dst, is_dir=False, src=args.src)
         _to_torch(ckpt, keys, args.dst, bar_on)
     else:
-        _check_destination(args.dst, is_dir=True)
+        _check_destination(args.dst, is_dir=True, src=args.src)
         _to_safetensors(ckpt, keys, args.dst, parse_size(args.max_shard_size), bar_on)
     total = sum(ckpt.tensors[k].nbytes for k in keys)
     print(f"wrote {len(keys)} tensor(s), {human_bytes(total)}, to {args.dst}")
@@ -183,7 +196,7 @@ def _to_dist(args: argparse.Namespace) -> int:
         raise CliError(f"--ranks must be at least 1, got {args.ranks}")
     if kind == "torch":
         _open_torch_file(args.src)  # fail here, with one line, if it does not load
-    _check_destination(args.dst, is_dir=True, url_ok=True)
+    _check_destination(args.dst, is_dir=True, url_ok=True, src=args.src)
     if not is_url(args.dst):
         os.makedirs(args.dst, exist_ok=True)
     convert_to_dist(kind, args.src, args.dst, args.ranks, args.keys)
@@ -198,7 +211,7 @@ def _to_layout(args: argparse.Namespace) -> int:
         raise CliError(f"{args.src}: not a sharded checkpoint of ours (no metadata.json)")
     if args.keys is not None:
         raise CliError("--keys is not supported with --to torch_dist/raw_bytes (all is converted)")
-    _check_destination(args.dst, is_dir=True)
+    _check_destination(args.dst, is_dir=True, src=args.src)
     os.makedirs(args.dst, exist_ok=True)
     count = relayout(args.src, args.dst, args.to, file_backed)
     print(f"wrote {count} tensor(s) in the {args.to} layout to {args.dst}")

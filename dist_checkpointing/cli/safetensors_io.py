@@ -111,9 +111,16 @@ def iter_tensors(
                 shape, dtype = tuple(sl.get_shape()), by_name[sl.get_dtype()]
 
                 def read(
-                    rows: slice | None, _sl: Any = sl, _shape: tuple[int, ...] = shape
+                    rows: slice | None,
+                    _sl: Any = sl,
+                    _shape: tuple[int, ...] = shape,
+                    _f: Any = f,
+                    _key: str = key,
                 ) -> torch.Tensor:
-                    t: torch.Tensor = _sl[:] if rows is None or not _shape else _sl[rows]
+                    if not _shape:  # a scalar: a slice of it cannot be taken
+                        scalar: torch.Tensor = _f.get_tensor(_key)
+                        return scalar
+                    t: torch.Tensor = _sl[:] if rows is None else _sl[rows]
                     return t
 
                 yield key, read, shape, dtype

@@ -140,6 +140,11 @@ BAD = [
     (["convert", "{tmp}/garbage.pt", "{tmp}/x", "--to", "dist"], "neither"),
     (["convert", "{tmp}/bad.pt", "{tmp}/x", "--to", "dist"], "not a loadable"),
     (["convert", "{ckpt}", "{tmp}/x", "--to", "dist"], "already a sharded checkpoint"),
+    (["convert", "{ckpt}", "{ckpt}/metadata.json", "--to", "torch"], "inside the source"),
+    (["convert", "{ckpt}", "{ckpt}/common.pt", "--to", "torch"], "inside the source"),
+    (["convert", "{ckpt}", "{ckpt}/sub", "--to", "safetensors"], "inside the source"),
+    (["convert", "{ckpt}", "{ckpt}", "--to", "raw_bytes"], "inside the source"),
+    (["convert", "{ckpt}", "{tmp}/garbage.pt", "--to", "torch"], "already exists"),
     (["rm", "{ckpt}", "--prefix", "zzz"], "no tensor key starts with"),
     (["diff", "{ckpt}", "{tmp}"], "not a checkpoint"),
 ]
@@ -188,3 +193,38 @@ def test_usage_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert err.count("\n") == 1 and err.startswith("error: "), err
+
+
+def test_a_refused_conversion_leaves_the_source_as_it_was(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: ``convert SRC SRC/metadata.json --to torch`` replaced a file of the
+    checkpoint it read (exit 0), which then no longer loaded."""
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    for dst, to in [(ckpt / "metadata.json", "torch"), (ckpt / "sub", "safetensors")]:
+        code, _, err = run(capsys, "convert", ckpt, dst, "--to", to)
+        assert code == 2 and "inside the source" in err, err
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    sd = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in TENSORS.items()}
+    out = dist_checkpointing.load(sd, ckpt)
+    for k, v in TENSORS.items():
+        assert_tensor_bitwise(out[k], v, k)
+
+
+def test_a_scalar_converts_from_safetensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: a 0-d tensor in a safetensors file failed ``--to dist`` ("slice()
+    cannot be applied to a 0-dim tensor")."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    src = tmp_path / "model.safetensors"
+    tensors = {"scale": torch.tensor(1.5), "w": torch.arange(6.0).reshape(3, 2)}
+    safetensors_torch.save_file(tensors, str(src))
+    code, _, err = run(capsys, "convert", src, tmp_path / "out", "--to", "dist")
+    assert code == 0, err
+    request = {
+        k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in tensors.items()
+    }
+    out = dist_checkpointing.load(request, tmp_path / "out")
+    for k, v in tensors.items():
+        assert_tensor_bitwise(out[k], v, k)
