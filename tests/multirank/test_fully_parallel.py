@@ -407,7 +407,9 @@ def test_the_load_cache_follows_shape_and_dtype(tmp_path: Path, algo: str) -> No
 
 def _zero_size_through_gather_object(root: str) -> tuple[int, ...]:
     rank = dist.get_rank()
-    dcp.save({"z": _held_by_all("z", torch.zeros(0, 3)), "w": _held_by_all("w", torch.ones(2))}, root)
+    dcp.save(
+        {"z": _held_by_all("z", torch.zeros(0, 3)), "w": _held_by_all("w", torch.ones(2))}, root
+    )
     base = dcp.serialization.get_default_load_sharded_strategy(root)
     load = FullyParallelLoadStrategyWrapper(base, exchange_algo="gather_object")
     request = {"z": _held_by_all("z", torch.ones(0, 3)), "w": _held_by_all("w", torch.zeros(2))}
