@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from ._accounting import OpAccount
 from .core import CheckpointingConfig, config_bytes
@@ -67,16 +68,28 @@ def save_common_part(
     common_strategy: SaveCommonStrategy,
     sharded_part: ShardedStateDict,
     common_part: StateDict,
+    group: RankGroup | None = None,
 ) -> ShardedStateDict:
     """Save the common state (and, if the sharded strategy cannot, the ShardedObjects);
-    returns what is left for the sharded strategy."""
-    common_strategy.save_common(common_part, ckpt)
-    if sharded_strategy.can_handle_sharded_objects:
-        return sharded_part
-    objects, rest = extract_matching_values(sharded_part, lambda x: isinstance(x, ShardedObject))
-    if objects:
-        common_strategy.save_sharded_objects(objects, ckpt)  # type: ignore[arg-type]
-    return rest  # type: ignore[return-value]
+    returns what is left for the sharded strategy. With ``group`` (collective), a failure
+    on any rank (``common.pt`` is written by the coordinator) raises on every rank."""
+    error: BaseException | None = None
+    rest: Any = sharded_part
+    try:
+        common_strategy.save_common(common_part, ckpt)
+        if not sharded_strategy.can_handle_sharded_objects:
+            objects, rest = extract_matching_values(
+                sharded_part, lambda x: isinstance(x, ShardedObject)
+            )
+            if objects:
+                common_strategy.save_sharded_objects(objects, ckpt)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
+        if group is None:
+            raise
+        error = exc
+    if group is not None:
+        group.fail_together(error, f"Saving the common state of {ckpt}")
+    return rest  # type: ignore[no-any-return]
 
 
 def finalize_save(

@@ -232,13 +232,8 @@ def save(
         finalize_save, ckpt, sharded, common, verify_integrity, group, account
     )
     try:
-        error: BaseException | None = None
-        try:  # the coordinator writes common.pt: a failure there is raised on every rank
-            with account.phase("common"):
-                sharded_part = save_common_part(ckpt, sharded, common, sharded_part, common_part)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
-            error = exc
-        group.fail_together(error, f"Saving the common state of {ckpt}")
+        with account.phase("common"):
+            sharded_part = save_common_part(ckpt, sharded, common, sharded_part, common_part, group)
         abort = functools.partial(commit.abort, ckpt, group)
         return write_sharded(
             ckpt, sharded, sharded_part, finalize, abort, account, async_sharded_save
