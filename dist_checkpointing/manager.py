@@ -185,20 +185,27 @@ class CheckpointManager:
             request = save(sharded_state_dict, path, async_sharded_save=True, **kwargs)
             assert request is not None
             request.add_finalize_fn(lambda: self._committed(step))
+            # A failed save (any rank) can be retried: the step is no longer in flight.
+            request.add_abort_fn(lambda: self._in_flight.discard(step))
             self.queue.schedule_async_request(request)
         except BaseException:
             self._in_flight.discard(step)
             raise
 
     def _committed(self, step: int) -> None:
-        """Runs on every rank after ``step`` is committed everywhere."""
+        """Runs on every rank after ``step`` is committed everywhere: the coordinator
+        moves the pointer and applies retention; a failure there raises on every rank."""
         self._in_flight.discard(step)
+        error: BaseException | None = None
         if self.group.is_coordinator:
-            current = self.read_pointer()
-            if current is None or current <= step or not self.is_complete(self.path(current)):
-                CheckpointDir.of(self.root).atomic_write(LATEST_FNAME, f"{step}\n".encode())
-            self._apply_retention(step)
-        self.group.barrier()
+            try:
+                current = self.read_pointer()
+                if current is None or current <= step or not self.is_complete(self.path(current)):
+                    CheckpointDir.of(self.root).atomic_write(LATEST_FNAME, f"{step}\n".encode())
+                self._apply_retention(step)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
+                error = exc
+        self.group.fail_together(error, f"Pointing {self.root / LATEST_FNAME} at step {step}")
         logger.info("checkpoint %s committed", self.path(step))
 
     def to_delete(self, newest: int) -> list[int]:
