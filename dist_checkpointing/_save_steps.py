@@ -68,11 +68,11 @@ def save_common_part(
     common_strategy: SaveCommonStrategy,
     sharded_part: ShardedStateDict,
     common_part: StateDict,
-    group: RankGroup | None = None,
+    group: RankGroup,
 ) -> ShardedStateDict:
     """Save the common state (and, if the sharded strategy cannot, the ShardedObjects);
-    returns what is left for the sharded strategy. With ``group`` (collective), a failure
-    on any rank (``common.pt`` is written by the coordinator) raises on every rank."""
+    returns what is left for the sharded strategy. Collective: a failure on any rank
+    (``common.pt`` is written by the coordinator) raises on every rank."""
     error: BaseException | None = None
     rest: Any = sharded_part
     try:
@@ -84,11 +84,8 @@ def save_common_part(
             if objects:
                 common_strategy.save_sharded_objects(objects, ckpt)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
-        if group is None:
-            raise
         error = exc
-    if group is not None:
-        group.fail_together(error, f"Saving the common state of {ckpt}")
+    group.fail_together(error, f"Saving the common state of {ckpt}")
     return rest  # type: ignore[no-any-return]
 
 
