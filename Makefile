@@ -14,6 +14,10 @@ STAMP := $(VENV)/.install-stamp
 NPROC ?= 2
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+# Megatron-Core for the table's "megatron" row, kept out of $(VENV) (the tests never see
+# it): installed without dependencies (torch, numpy, packaging come from $(VENV)).
+MCORE_VERSION := 0.16.1
+BENCH_SITE := .bench-site
 DOCS_BUILD := docs/_build
 
 .PHONY: help venv install lint format test test-fast demo docs bench clean distclean
@@ -63,8 +67,13 @@ docs: $(STAMP)
 # The benchmark table (bench/table.py): every method and case on 1, 2 and 4 ranks, one
 # torchrun per rank count, one merged table. Quick smoke run: make bench BENCH_ARGS="--quick".
 # The other bench/*.py scripts are run by hand with torchrun (see docs/performance.rst).
-bench: $(STAMP)
-	$(BIN)/python bench/table.py $(BENCH_ARGS)
+bench: $(STAMP) $(BENCH_SITE)/.stamp
+	PYTHONPATH=$(BENCH_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python bench/table.py $(BENCH_ARGS)
+
+$(BENCH_SITE)/.stamp: $(STAMP)
+	$(BIN)/python -m pip install --no-deps --target $(BENCH_SITE) "megatron-core==$(MCORE_VERSION)" \
+		|| echo "megatron-core not installed: the table's megatron row reads n/a"
+	touch $@
 
 clean:
 	rm -rf build dist *.egg-info $(DOCS_BUILD) .pytest_cache .mypy_cache .ruff_cache .hypothesis
@@ -72,4 +81,4 @@ clean:
 		| xargs rm -rf
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(BENCH_SITE)

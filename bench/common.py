@@ -116,6 +116,7 @@ class PeakRSS(PeakSampler):
 class Measurement:
     seconds: float  # slowest rank, between two barriers
     peak_rss: int  # largest over ranks
+    rss_growth: int = 0  # peak RSS above the RSS at the start, largest over ranks
 
 
 @contextlib.contextmanager
@@ -125,15 +126,16 @@ def measured() -> Iterator[list[Measurement]]:
     if dist.is_initialized():
         dist.barrier()
     with PeakRSS() as rss:
+        before = rss.first[0]
         start = time.perf_counter()
         yield out
         if dist.is_initialized():
             dist.barrier()
         elapsed = time.perf_counter() - start
-    t = torch.tensor([elapsed, float(rss.peak)], dtype=torch.float64)
+    t = torch.tensor([elapsed, float(rss.peak), float(rss.peak - before)], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    out.append(Measurement(float(t[0]), int(t[1])))
+    out.append(Measurement(float(t[0]), int(t[1]), max(int(t[2]), 0)))
 
 
 def host_buffer(nbytes: int) -> Any:

@@ -15,8 +15,12 @@ Cases (full mode; ``--quick`` has 64 MiB in 50 tensors, 1,000 and 5,000 tensors)
 Columns: save and load throughput (checkpoint bytes / seconds of the slowest rank);
 microseconds per tensor per rank (seconds x ranks / tensors); the planning step of a
 first save and of a second save of the same structure (cached); the largest rank's peak
-RSS and the bytes of state it holds; the files in the checkpoint. Methods are described
-in ``bench/table_methods.py``; a method that cannot run here shows "n/a (why)".
+RSS, how far above its RSS at the start of the save or load that peak went (``RSS +``:
+what the method needs beyond the state), and the bytes of state it holds; the files in
+the checkpoint. With ``--rounds`` the methods run in rounds (each round runs every method
+once) and share the state's tensors, so a peak RSS includes the state of every method of
+the case. Methods are described in ``bench/table_methods.py``; a method that cannot run here shows
+"n/a (why)".
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ COLUMNS = (
     ("plan 1st s", 10),
     ("plan cached s", 13),
     ("peak RSS MiB", 12),
+    ("RSS +MiB", 8),
     ("state MiB", 9),
     ("files", 6),
 )
@@ -111,6 +116,7 @@ def row(case: str, nranks: int, method: str, info: dict[str, Any], c: dict[str, 
         _num(info.get("plan_first_s"), ".3f"),
         _num(info.get("plan_cached_s"), ".3f"),
         _num(info["peak_rss"] / 2**20, ".0f"),
+        _num(info.get("rss_growth", 0) / 2**20, ".0f"),
         _num(info["state_bytes"] / 2**20, ".0f"),
         str(info["files"]),
     ]
@@ -168,6 +174,21 @@ def targets(results: list[dict[str, Any]]) -> list[str]:
                         )
         if "mid" in cases:
             lines += _dcp_lines(cases["mid"], n)
+        lines += _megatron_lines(cases, n)
+    return lines
+
+
+def _megatron_lines(cases: dict[str, Any], n: int) -> list[str]:
+    """How many times Megatron-Core's speed each layout reaches, on every case it ran."""
+    lines = []
+    for name, case in cases.items():
+        for method in ("ours", "raw_bytes"):
+            got = [_ratio(case, method, "megatron", op) for op in ("save", "load")]
+            if None not in got:
+                lines.append(
+                    f"{name}, {n} rank(s): {method} save {got[0]:.1f}x, load {got[1]:.1f}x "
+                    "Megatron-Core"
+                )
     return lines
 
 

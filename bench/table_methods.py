@@ -11,15 +11,22 @@ the same order. ``unavailable()`` says why a method cannot run here (the row the
 - ``fully_parallel``: every rank holds every tensor (a replicated layout); saved and
   loaded through the fully parallel wrappers around the default strategies;
 - ``dcp``: plain ``torch.distributed.checkpoint`` with its default writer and reader;
-- ``megatron``: Megatron-Core's ``dist_checkpointing``, when ``megatron.core`` imports;
+- ``megatron``: Megatron-Core's ``dist_checkpointing`` (its default ``torch_dist``
+  strategy with ``thread_count=2``, as ours), when ``megatron.core`` imports
+  (``make bench`` installs it into ``.bench-site``, see the Makefile). On a machine without
+  CUDA its two CUDA calls (``torch.cuda.synchronize`` before staging and the failure flag
+  it broadcasts on ``torch.cuda.current_device()``) are given CPU stand-ins for the
+  duration of its save and load; nothing else of it is changed;
 - ``raw``: the baseline: this rank's bytes in as many files as ``ours`` writes per
   rank, one large write + fsync each, read back into a preallocated buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -160,6 +167,23 @@ class PlainDCP(Method):
         dcp.load(dict(local), checkpoint_id=path)
 
 
+@contextlib.contextmanager
+def cpu_stand_ins() -> Iterator[None]:
+    """Without CUDA, Megatron-Core's ``torch_dist`` save still calls
+    ``torch.cuda.synchronize()`` and places a flag tensor on
+    ``torch.cuda.current_device()``: stand in for both (a no-op, the CPU) while it runs."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
 class Megatron(Method):
     name = "megatron"
 
@@ -178,10 +202,18 @@ class Megatron(Method):
         return {k: mc.ShardedTensor.from_rank_offsets(k, t) for k, t in local.items()}
 
     def save(self, local: Tensors, path: str) -> None:
-        self._mc().save(self._sharded(local), path)
+        torch_strategies = importlib.import_module(
+            "megatron.core.dist_checkpointing.strategies.torch"
+        )
+        strategy = torch_strategies.TorchDistSaveShardedStrategy(
+            "torch_dist", 1, thread_count=FILES_PER_RANK
+        )
+        with cpu_stand_ins():
+            self._mc().save(self._sharded(local), path, sharded_strategy=strategy)
 
     def load(self, local: Tensors, path: str) -> None:
-        fill_from(local, self._mc().load(self._sharded(local), path))
+        with cpu_stand_ins():
+            fill_from(local, self._mc().load(self._sharded(local), path))
 
 
 class Raw(Method):

@@ -7,7 +7,8 @@ The cases are global: a case's tensors are spread over the ranks whole (rank r h
 tensors r, r + ranks, ...), except for ``fully_parallel``, where every rank holds every
 tensor (a replicated layout) and the fully parallel wrappers spread the work. Every
 method saves the same bytes. Timings are barrier to barrier, the slowest rank, the
-median of ``--repeat`` runs; loads read from the page cache right after the saves
+median of ``--repeat`` runs (``--rounds``: in rounds over the methods, each round running
+every method once); loads read from the page cache right after the saves
 (``--cold``: from the disk). Peak RSS is the largest rank's (with its child processes).
 """
 
@@ -81,40 +82,80 @@ def time_plans(method: Method, local: dict[str, torch.Tensor], root: str) -> lis
     return out
 
 
-def run_method(method: Method, sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    local = make_tensors(sizes, method.replicated)
-    state = torch.tensor([sum(t.nbytes for t in local.values())], dtype=torch.int64)
-    dist.all_reduce(state, op=dist.ReduceOp.MAX)
+def run_methods(methods: list[Method], sizes: list[int], args: argparse.Namespace) -> dict:
+    """Save and load ``--repeat`` times with every method of ``methods``: all of one
+    method's runs, then the next method's, each method with tensors of its own (freed
+    before the next); with ``--rounds``, round ``i`` runs each method once, in turn, and
+    the methods share one set of tensors (one per layout: replicated or not)."""
+    if not args.rounds:
+        return {m.name: run_method(m, make_tensors(sizes, m.replicated), args) for m in methods}
+    states = {r: make_tensors(sizes, r) for r in sorted({m.replicated for m in methods})}
+    runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
+    for method in methods:
+        if isinstance(method, Raw):
+            method.setup(states[False])
+    for i in range(args.repeat):
+        for method in methods:
+            runs[method.name].append(run_once(method, states[method.replicated], i, args))
+    return {m.name: summary(m, runs[m.name], states[m.replicated], args) for m in methods}
+
+
+def run_method(method: Method, local: dict[str, torch.Tensor], args: argparse.Namespace) -> dict:
+    """Every run of one method, then its planning timings."""
     if isinstance(method, Raw):
         method.setup(local)
-    saves, loads, peak, files = [], [], 0, 0
-    for i in range(args.repeat):
-        path = fresh_dir(args.root, f"{method.name}{i}")
-        with measured() as m:
-            method.save(local, path)
-        saves.append(m[0].seconds)
-        peak = max(peak, m[0].peak_rss)
-        files = count_files(path) if rank() == 0 else 0
-        zero(local)
-        if args.cold:
-            evict(path)
-        with measured() as m:
-            method.load(local, path)
-        loads.append(m[0].seconds)
-        peak = max(peak, m[0].peak_rss)
-        if not isinstance(method, Raw):
-            check(local, method.name)
-        drop_dir(path)
+    runs = [run_once(method, local, i, args) for i in range(args.repeat)]
+    return summary(method, runs, local, args)
+
+
+def summary(
+    method: Method,
+    runs: list[dict[str, Any]],
+    local: dict[str, torch.Tensor],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The medians (times) and maxima (memory) of a method's runs, and its planning."""
     out: dict[str, Any] = {
-        "save_s": statistics.median(saves),
-        "load_s": statistics.median(loads),
-        "peak_rss": peak,
-        "state_bytes": int(state),
-        "files": files,
+        "save_s": statistics.median(r["save_s"] for r in runs),
+        "load_s": statistics.median(r["load_s"] for r in runs),
+        "peak_rss": max(r["peak_rss"] for r in runs),
+        "rss_growth": max(r["rss_growth"] for r in runs),
+        "state_bytes": runs[0]["state_bytes"],
+        "files": runs[0]["files"],
     }
     if method.plans and not args.no_plan:
         out["plan_first_s"], out["plan_cached_s"] = time_plans(method, local, args.root)
     return out
+
+
+def run_once(
+    method: Method, local: dict[str, torch.Tensor], i: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One save and load of ``method`` (round ``i``); the loaded values are checked."""
+    state = torch.tensor([sum(t.nbytes for t in local.values())], dtype=torch.int64)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    path = fresh_dir(args.root, f"{method.name}{i}")
+    with measured() as saved:
+        method.save(local, path)
+    files = count_files(path) if rank() == 0 else 0
+    baseline = isinstance(method, Raw)  # reads into its own buffer, not into ``local``
+    if not baseline:
+        zero(local)
+    if args.cold:
+        evict(path)
+    with measured() as loaded:
+        method.load(local, path)
+    if not baseline:
+        check(local, method.name)
+    drop_dir(path)
+    return {
+        "save_s": saved[0].seconds,
+        "load_s": loaded[0].seconds,
+        "peak_rss": max(saved[0].peak_rss, loaded[0].peak_rss),
+        "rss_growth": max(saved[0].rss_growth, loaded[0].rss_growth),
+        "state_bytes": int(state),
+        "files": files,
+    }
 
 
 def over_budget(
@@ -176,16 +217,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sizes = case_sizes(name, counts[name], big_mib)
         case: dict[str, Any] = {"tensors": len(sizes), "bytes": sum(sizes), "methods": {}}
         result["cases"][name] = case
+        runnable = []
         for method in by_name(args.methods.split(",") if args.methods else None):
             reason = method.unavailable() or over_budget(
                 result, method.name, len(sizes), sum(sizes), args
             )
-            case["methods"][method.name] = (
-                {"status": reason}
-                if reason
-                else {"status": "ok", **run_method(method, sizes, args)}
-            )
-            save_json(result, args.out)
+            case["methods"][method.name] = {"status": reason}
+            if not reason:
+                runnable.append(method)
+        for name, measured_ in run_methods(runnable, sizes, args).items():
+            case["methods"][name] = {"status": "ok", **measured_}
+        save_json(result, args.out)
     result["complete"] = True
     return result
 
@@ -202,6 +244,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small-count", type=int, default=0, help="tensors of the 1 KiB case")
     p.add_argument("--repeat", type=int, default=1, help="median of N runs")
     p.add_argument("--cold", action="store_true", help="drop files from the page cache")
+    p.add_argument("--rounds", action="store_true", help="run the methods in turn, per repeat")
     p.add_argument("--no-plan", action="store_true", help="skip the planning timings")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     p.add_argument(

@@ -26,6 +26,7 @@ COLUMNS = (
     "plan 1st s",
     "plan cached s",
     "peak RSS MiB",
+    "RSS +MiB",
     "state MiB",
     "files",
 )
@@ -34,12 +35,13 @@ TINY = ["--big-mib", "1", "--big-count", "4", "--mid-count", "20", "--small-coun
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quick_table_has_every_row_and_column(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [[], ["--rounds"]], ids=["method-by-method", "rounds"])
+def test_quick_table_has_every_row_and_column(tmp_path: Path, mode: list[str]) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     results = tmp_path / "results.json"
     cmd = [sys.executable, str(ROOT / "bench" / "table.py"), "--ranks", "1,2", "--quick"]
-    cmd += ["--json", str(results), "--dir", str(tmp_path), *TINY]
+    cmd += ["--json", str(results), "--dir", str(tmp_path), *TINY, *mode]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
@@ -115,3 +117,27 @@ def test_the_raw_baseline_uses_memory_like_the_tensors(monkeypatch: pytest.Monke
     assert isinstance(blob.base, torch.Tensor)  # a view of torch-allocated memory
     buf = common.host_buffer(1 << 20)
     assert len(memoryview(buf)) == 1 << 20 and not memoryview(buf).readonly
+
+
+def test_megatrons_cuda_stand_ins_apply_only_while_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without CUDA the megatron row gives Megatron-Core's two CUDA calls CPU stand-ins,
+    only inside its save and load, and puts torch's own functions back after (also when
+    the call raises)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import table_methods
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the stand-ins are not used")
+    sync, current = torch.cuda.synchronize, torch.cuda.current_device
+    with table_methods.cpu_stand_ins():
+        torch.cuda.synchronize()  # torch's own raises without CUDA
+        flag = torch.tensor([1], device=torch.cuda.current_device())
+        assert flag.device.type == "cpu"
+    assert (torch.cuda.synchronize, torch.cuda.current_device) == (sync, current)
+    with pytest.raises(KeyError), table_methods.cpu_stand_ins():
+        raise KeyError("x")
+    assert (torch.cuda.synchronize, torch.cuda.current_device) == (sync, current)
