@@ -15,10 +15,13 @@ NPROC ?= 2
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 # Megatron-Core for the live interop tests (tests/compat/test_megatron_live.py, which put
-# it on their ranks' path) and the table's "megatron" row, kept out of $(VENV) (the rest
-# of the suite never sees it): installed without dependencies (torch, numpy, packaging
-# come from $(VENV)). Without a package index the tests skip and the row reads n/a.
-MCORE_VERSION := 0.16.1
+# one release on their ranks' path) and the table's "megatron" row (the newest release),
+# kept out of $(VENV) (the rest of the suite never sees it): each release in its own folder
+# under $(MCORE_SITE), without dependencies (torch, numpy, packaging come from $(VENV)).
+# 0.13.1 is the oldest release we promise, 0.16.1 the newest on PyPI. Without a package
+# index the tests skip and the row reads n/a.
+MCORE_VERSIONS := 0.13.1 0.16.1
+MCORE_BENCH_VERSION := 0.16.1
 MCORE_SITE := .mcore-site
 DOCS_BUILD := docs/_build
 
@@ -70,11 +73,14 @@ docs: $(STAMP)
 # torchrun per rank count, one merged table. Quick smoke run: make bench BENCH_ARGS="--quick".
 # The other bench/*.py scripts are run by hand with torchrun (see docs/performance.rst).
 bench: $(STAMP) $(MCORE_SITE)/.stamp
-	PYTHONPATH=$(MCORE_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python bench/table.py $(BENCH_ARGS)
+	PYTHONPATH=$(MCORE_SITE)/$(MCORE_BENCH_VERSION)$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(BIN)/python bench/table.py $(BENCH_ARGS)
 
 $(MCORE_SITE)/.stamp: $(STAMP)
-	$(BIN)/python -m pip install --no-deps --target $(MCORE_SITE) "megatron-core==$(MCORE_VERSION)" \
-		|| echo "megatron-core not installed: its interop tests skip, the table reads n/a"
+	for v in $(MCORE_VERSIONS); do \
+		$(BIN)/python -m pip install --no-deps --target $(MCORE_SITE)/$$v "megatron-core==$$v" \
+			|| echo "megatron-core $$v not installed: its interop tests skip"; \
+	done
 	touch $@
 
 clean:

@@ -34,6 +34,8 @@ import sys
 import tempfile
 from typing import Any
 
+from dist_checkpointing.engine import knobs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 METHOD_ORDER = ("ours", "raw_bytes", "fully_parallel", "dcp", "megatron", "raw")
 COLUMNS = (
@@ -175,6 +177,26 @@ def targets(results: list[dict[str, Any]]) -> list[str]:
         if "mid" in cases:
             lines += _dcp_lines(cases["mid"], n)
         lines += _megatron_lines(cases, n)
+        lines += _memory_lines(cases, n)
+    return lines
+
+
+def _memory_lines(cases: dict[str, Any], n: int) -> list[str]:
+    """Each layout's peak RSS above the state (``RSS +``) against the copy-ahead budget."""
+    budget = knobs.COPY_AHEAD_BYTES.get()  # as the ranks see it: environment or default
+    if budget <= 0:
+        return [f"{n} rank(s): no copy-ahead budget set (COPY_AHEAD_BYTES=0)"]
+    lines = []
+    for name, case in cases.items():
+        for method in ("ours", "raw_bytes"):
+            info = case["methods"].get(method, {})
+            if info.get("status") == "ok" and "rss_growth" in info:
+                got = info["rss_growth"]
+                verdict = "met" if got <= budget else "not met"
+                lines.append(
+                    f"{name}, {n} rank(s): {method} peak RSS {got / 2**20:.0f} MiB above the "
+                    f"state (copy-ahead budget {budget / 2**20:.0f} MiB: {verdict})"
+                )
     return lines
 
 

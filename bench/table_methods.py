@@ -13,7 +13,7 @@ the same order. ``unavailable()`` says why a method cannot run here (the row the
 - ``dcp``: plain ``torch.distributed.checkpoint`` with its default writer and reader;
 - ``megatron``: Megatron-Core's ``dist_checkpointing`` (its default ``torch_dist``
   strategy with ``thread_count=2``, as ours), when ``megatron.core`` imports
-  (``make bench`` installs it into ``.mcore-site``, see the Makefile). On a machine without
+  (``make bench`` installs 0.16.1 into ``.mcore-site/0.16.1``, see the Makefile). On a machine without
   CUDA its two CUDA calls (``torch.cuda.synchronize`` before staging and the failure flag
   it broadcasts on ``torch.cuda.current_device()``) are given CPU stand-ins for the
   duration of its save and load; nothing else of it is changed;

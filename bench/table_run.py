@@ -118,6 +118,8 @@ def summary(
     out: dict[str, Any] = {
         "save_s": statistics.median(r["save_s"] for r in runs),
         "load_s": statistics.median(r["load_s"] for r in runs),
+        "save_runs": [r["save_s"] for r in runs],  # every run, in order (the spread)
+        "load_runs": [r["load_s"] for r in runs],
         "peak_rss": max(r["peak_rss"] for r in runs),
         "rss_growth": max(r["rss_growth"] for r in runs),
         "state_bytes": runs[0]["state_bytes"],
