@@ -14,24 +14,24 @@ the same order. ``unavailable()`` says why a method cannot run here (the row the
 - ``megatron``: Megatron-Core's ``dist_checkpointing`` (its default ``torch_dist``
   strategy with ``thread_count=2``, as ours), when ``megatron.core`` imports
   (``make bench`` installs 0.16.1 into ``.mcore-site/0.16.1``, see the Makefile). On a machine without
-  CUDA its two CUDA calls (``torch.cuda.synchronize`` before staging and the failure flag
-  it broadcasts on ``torch.cuda.current_device()``) are given CPU stand-ins for the
-  duration of its save and load; nothing else of it is changed;
+  CUDA its two CUDA calls are given CPU stand-ins for the duration of its save and load
+  (``bench/mcore_compat.py``); nothing else of it is changed;
 - ``raw``: the baseline: this rank's bytes in as many files as ``ours`` writes per
   rank, one large write + fsync each, read back into a preallocated buffer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
-from collections.abc import Iterator
+import os
+import shutil
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from common import rank, raw_blob, raw_read, raw_write, world
+from mcore_compat import stand_ins
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -72,6 +72,9 @@ class Method:
 
     def unavailable(self) -> str | None:
         return None
+
+    def setup(self, local: Tensors, root: str) -> None:
+        """Before the timed runs of a case (outside them)."""
 
     def save(self, local: Tensors, path: str) -> None:
         raise NotImplementedError
@@ -167,23 +170,6 @@ class PlainDCP(Method):
         dcp.load(dict(local), checkpoint_id=path)
 
 
-@contextlib.contextmanager
-def cpu_stand_ins() -> Iterator[None]:
-    """Without CUDA, Megatron-Core's ``torch_dist`` save still calls
-    ``torch.cuda.synchronize()`` and places a flag tensor on
-    ``torch.cuda.current_device()``: stand in for both (a no-op, the CPU) while it runs."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.synchronize, torch.cuda.current_device
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize, torch.cuda.current_device = saved
-
-
 class Megatron(Method):
     name = "megatron"
 
@@ -201,6 +187,20 @@ class Megatron(Method):
         mc = self._mc()
         return {k: mc.ShardedTensor.from_rank_offsets(k, t) for k, t in local.items()}
 
+    def setup(self, local: Tensors, root: str) -> None:
+        """Save one small tensor once: Megatron-Core starts a multiprocessing manager (by
+        ``spawn``, about 3 s here) at its first save in a process, a one-time cost that
+        would land on the first timed run."""
+        path = os.path.join(root, f"megatron_warm_up_{rank()}")
+        os.makedirs(path, exist_ok=True)
+        mc = self._mc()
+        with stand_ins():
+            mc.save(
+                {f"w{rank()}": mc.ShardedTensor.from_rank_offsets(f"w{rank()}", torch.ones(4))},
+                path,
+            )
+        shutil.rmtree(path, ignore_errors=True)
+
     def save(self, local: Tensors, path: str) -> None:
         torch_strategies = importlib.import_module(
             "megatron.core.dist_checkpointing.strategies.torch"
@@ -208,11 +208,11 @@ class Megatron(Method):
         strategy = torch_strategies.TorchDistSaveShardedStrategy(
             "torch_dist", 1, thread_count=FILES_PER_RANK
         )
-        with cpu_stand_ins():
+        with stand_ins():
             self._mc().save(self._sharded(local), path, sharded_strategy=strategy)
 
     def load(self, local: Tensors, path: str) -> None:
-        with cpu_stand_ins():
+        with stand_ins():
             fill_from(local, self._mc().load(self._sharded(local), path))
 
 
@@ -221,7 +221,7 @@ class Raw(Method):
 
     name = "raw"
 
-    def setup(self, local: Tensors) -> None:
+    def setup(self, local: Tensors, root: str) -> None:
         self.blob = raw_blob(list(local.values()))
 
     def save(self, local: Tensors, path: str) -> None:

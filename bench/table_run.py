@@ -92,8 +92,7 @@ def run_methods(methods: list[Method], sizes: list[int], args: argparse.Namespac
     states = {r: make_tensors(sizes, r) for r in sorted({m.replicated for m in methods})}
     runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
     for method in methods:
-        if isinstance(method, Raw):
-            method.setup(states[False])
+        method.setup(states[method.replicated], args.root)
     for i in range(args.repeat):
         for method in methods:
             runs[method.name].append(run_once(method, states[method.replicated], i, args))
@@ -102,8 +101,7 @@ def run_methods(methods: list[Method], sizes: list[int], args: argparse.Namespac
 
 def run_method(method: Method, local: dict[str, torch.Tensor], args: argparse.Namespace) -> dict:
     """Every run of one method, then its planning timings."""
-    if isinstance(method, Raw):
-        method.setup(local)
+    method.setup(local, args.root)
     runs = [run_once(method, local, i, args) for i in range(args.repeat)]
     return summary(method, runs, local, args)
 

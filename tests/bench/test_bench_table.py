@@ -119,25 +119,29 @@ def test_the_raw_baseline_uses_memory_like_the_tensors(monkeypatch: pytest.Monke
     assert len(memoryview(buf)) == 1 << 20 and not memoryview(buf).readonly
 
 
-def test_megatrons_cuda_stand_ins_apply_only_while_it_runs(
+def test_megatrons_stand_ins_apply_only_while_it_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Without CUDA the megatron row gives Megatron-Core's two CUDA calls CPU stand-ins,
-    only inside its save and load, and puts torch's own functions back after (also when
-    the call raises)."""
+    """Without CUDA the megatron row gives Megatron-Core's two CUDA calls CPU stand-ins
+    (and ``numpy.product`` under NumPy 2), only inside its save and load, and puts the
+    originals back after (also when the call raises)."""
     import torch
 
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import table_methods
+    import mcore_compat
+    import numpy as np
 
     if torch.cuda.is_available():
         pytest.skip("with CUDA the stand-ins are not used")
     sync, current = torch.cuda.synchronize, torch.cuda.current_device
-    with table_methods.cpu_stand_ins():
+    had_product = hasattr(np, "product")
+    with mcore_compat.stand_ins():
+        assert np.product([2, 3]) == 6  # NumPy 2 removed it; Megatron-Core 0.13 calls it
         torch.cuda.synchronize()  # torch's own raises without CUDA
         flag = torch.tensor([1], device=torch.cuda.current_device())
         assert flag.device.type == "cpu"
     assert (torch.cuda.synchronize, torch.cuda.current_device) == (sync, current)
-    with pytest.raises(KeyError), table_methods.cpu_stand_ins():
+    with pytest.raises(KeyError), mcore_compat.stand_ins():
         raise KeyError("x")
     assert (torch.cuda.synchronize, torch.cuda.current_device) == (sync, current)
+    assert hasattr(np, "product") == had_product

@@ -15,15 +15,12 @@ split one way and loaded split another (0.16 no longer accepts flattened ranges)
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import random
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,25 +42,12 @@ OTHER = torch.arange(ROWS * COLS, dtype=torch.float64).mul(0.5).reshape(ROWS, CO
 FLAT = torch.arange(ROWS * COLS, dtype=torch.float32).add(1000).reshape(ROWS, COLS)
 
 
-@contextlib.contextmanager
-def _stand_ins() -> Iterator[None]:
-    """Megatron-Core's save calls ``torch.cuda.synchronize()`` and puts a flag tensor on
-    ``torch.cuda.current_device()`` even for CPU state: without CUDA, stand in for both.
-    0.13 also calls ``numpy.product``, which NumPy 2 removed (0.13 asked for NumPy 1):
-    stand in with ``numpy.prod``."""
-    saved = torch.cuda.synchronize, torch.cuda.current_device
-    if not torch.cuda.is_available():
-        torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
-        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    no_product = not hasattr(np, "product")
-    if no_product:
-        np.product = np.prod  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize, torch.cuda.current_device = saved
-        if no_product:
-            del np.product  # type: ignore[attr-defined]
+def _stand_ins() -> Any:
+    """``bench/mcore_compat.stand_ins``: CPU and NumPy 2 stand-ins for Megatron-Core."""
+    bench = str(ROOT / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("mcore_compat").stand_ins
 
 
 def _library(name: str, release: str) -> Any:
@@ -123,7 +107,7 @@ def _state(lib: Any, rank: int, world: int, saving: bool, flat: bool) -> dict[st
 def _save_then_load(root: str, saver: str, loader: str, release: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = _with_flat(release)
-    with _stand_ins():
+    with _stand_ins()():
         save_lib, load_lib = _library(saver, release), _library(loader, release)
         save_lib.save(_state(save_lib, rank, world, saving=True, flat=flat), root)
         loaded = load_lib.load(_state(load_lib, rank, world, saving=False, flat=flat), root)
@@ -252,7 +236,7 @@ def _random_cases(root: str, release: str, seed: int, cases: int) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     rng = random.Random(seed)
     checked = 0
-    with _stand_ins():
+    with _stand_ins()():
         ours, mcore = _library("ours", release), _library("megatron", release)
         for case in range(cases):
             save_lib, load_lib = (ours, mcore) if case % 2 == 0 else (mcore, ours)
