@@ -20,6 +20,7 @@ import os
 import shutil
 import statistics
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,13 +83,21 @@ def time_plans(method: Method, local: dict[str, torch.Tensor], root: str) -> lis
     return out
 
 
-def run_methods(methods: list[Method], sizes: list[int], args: argparse.Namespace) -> dict:
-    """Save and load ``--repeat`` times with every method of ``methods``: all of one
-    method's runs, then the next method's, each method with tensors of its own (freed
-    before the next); with ``--rounds``, round ``i`` runs each method once, in turn, and
-    the methods share one set of tensors (one per layout: replicated or not)."""
+def run_methods(
+    methods: list[Method],
+    sizes: list[int],
+    args: argparse.Namespace,
+    done: Callable[[str, dict[str, Any]], None],
+) -> None:
+    """Save and load ``--repeat`` times with every method of ``methods``, calling
+    ``done(name, results)`` for each: all of one method's runs, then the next method's,
+    each method with tensors of its own (freed before the next); with ``--rounds``,
+    round ``i`` runs each method once, in turn, and the methods share one set of tensors
+    (one per layout: replicated or not)."""
     if not args.rounds:
-        return {m.name: run_method(m, make_tensors(sizes, m.replicated), args) for m in methods}
+        for m in methods:
+            done(m.name, run_method(m, make_tensors(sizes, m.replicated), args))
+        return
     states = {r: make_tensors(sizes, r) for r in sorted({m.replicated for m in methods})}
     runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
     for method in methods:
@@ -96,7 +105,8 @@ def run_methods(methods: list[Method], sizes: list[int], args: argparse.Namespac
     for i in range(args.repeat):
         for method in methods:
             runs[method.name].append(run_once(method, states[method.replicated], i, args))
-    return {m.name: summary(m, runs[m.name], states[m.replicated], args) for m in methods}
+    for m in methods:
+        done(m.name, summary(m, runs[m.name], states[m.replicated], args))
 
 
 def run_method(method: Method, local: dict[str, torch.Tensor], args: argparse.Namespace) -> dict:
@@ -222,12 +232,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reason = method.unavailable() or over_budget(
                 result, method.name, len(sizes), sum(sizes), args
             )
-            case["methods"][method.name] = {"status": reason}
-            if not reason:
+            if reason:
+                case["methods"][method.name] = {"status": reason}
+            else:
                 runnable.append(method)
-        for name, measured_ in run_methods(runnable, sizes, args).items():
-            case["methods"][name] = {"status": "ok", **measured_}
         save_json(result, args.out)
+
+        def done(name: str, measured: dict[str, Any], case: dict[str, Any] = case) -> None:
+            case["methods"][name] = {"status": "ok", **measured}
+            save_json(result, args.out)  # a run cut short keeps the methods it finished
+
+        run_methods(runnable, sizes, args, done)
     result["complete"] = True
     return result
 
