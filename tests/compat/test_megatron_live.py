@@ -10,7 +10,8 @@ Each test saves with one library in one layout (synchronously, or asynchronously
 the saver's own ``AsyncCallsQueue``) and loads with the other in another:
 tensor parallel blocks to whole replicas, column blocks to row blocks in the other rank
 order, a ShardedObject and a common value; the loaded values are compared with the full
-tensors built independently. With 0.13.1 also a distributed-optimizer flat range, saved
+tensors built independently, and the loader's ``load_content_metadata`` and
+``load_tensors_metadata`` must report what the saver was given. With 0.13.1 also a distributed-optimizer flat range, saved
 split one way and loaded split another (0.16 no longer accepts flattened ranges).
 """
 
@@ -105,11 +106,15 @@ def _state(lib: Any, rank: int, world: int, saving: bool, flat: bool) -> dict[st
     return {"w": w, "opt": opt, "rng": obj, "iteration": 12 if saving else None}
 
 
+CONTENT = {"format": "live-interop", "iteration": 12}  # save(..., content_metadata=...)
+
+
 def _save_async(lib: Any, state: dict[str, Any], root: str, persistent: bool) -> None:
     """Save as a training loop does: an async request on the library's own queue."""
     queues = importlib.import_module(f"{lib.__name__}.strategies.async_utils")
     queue = queues.AsyncCallsQueue(persistent=persistent)
-    queue.schedule_async_request(lib.save(state, root, async_sharded_save=True))
+    request = lib.save(state, root, async_sharded_save=True, content_metadata=CONTENT)
+    queue.schedule_async_request(request)
     queue.maybe_finalize_async_calls(blocking=True)
     queue.close()
 
@@ -123,10 +128,18 @@ def _save_then_load(
         save_lib, load_lib = _library(saver, release), _library(loader, release)
         state = _state(save_lib, rank, world, saving=True, flat=flat)
         if how == "sync":
-            save_lib.save(state, root)
+            save_lib.save(state, root, content_metadata=CONTENT)
         else:
             _save_async(save_lib, state, root, persistent=how == "persistent")
         loaded = load_lib.load(_state(load_lib, rank, world, saving=False, flat=flat), root)
+        content = load_lib.serialization.load_content_metadata(root)
+        shapes = {
+            key: (tuple(sh.global_shape), sh.dtype)
+            for key, sh in load_lib.load_tensors_metadata(root).items()
+        }
+    assert content == CONTENT, content
+    assert shapes["w"] == ((ROWS, COLS), torch.float32), shapes
+    assert shapes["opt.exp_avg"] == ((ROWS, COLS), torch.float64), shapes
     rows, part = ROWS // world, world - 1 - rank
     assert torch.equal(loaded["w"], FULL), f"rank {rank}: w"
     expected = OTHER[part * rows : (part + 1) * rows]
