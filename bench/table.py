@@ -19,8 +19,8 @@ RSS, how far above its RSS at the start of the save or load that peak went (``RS
 what the method needs beyond the state), and the bytes of state it holds; the files in
 the checkpoint. With ``--rounds`` the methods run in rounds (each round runs every method
 once) and share the state's tensors, so a peak RSS includes the state of every method of
-the case. Methods are described in ``bench/table_methods.py``; a method that cannot run here shows
-"n/a (why)".
+the case. Methods are described in ``bench/table_methods.py``; a method that cannot run
+here shows "n/a (why)".
 """
 
 from __future__ import annotations

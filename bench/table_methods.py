@@ -13,8 +13,8 @@ the same order. ``unavailable()`` says why a method cannot run here (the row the
 - ``dcp``: plain ``torch.distributed.checkpoint`` with its default writer and reader;
 - ``megatron``: Megatron-Core's ``dist_checkpointing`` (its default ``torch_dist``
   strategy with ``thread_count=2``, as ours), when ``megatron.core`` imports
-  (``make bench`` installs 0.16.1 into ``.mcore-site/0.16.1``, see the Makefile). On a machine without
-  CUDA its two CUDA calls are given CPU stand-ins for the duration of its save and load
+  (``make bench`` installs 0.16.1 into ``.mcore-site/0.16.1``, see the Makefile). On a
+  machine without CUDA its two CUDA calls are given CPU stand-ins for the duration of its save and load
   (``bench/mcore_compat.py``); nothing else of it is changed;
 - ``raw``: the baseline: this rank's bytes in as many files as ``ours`` writes per
   rank, one large write + fsync each, read back into a preallocated buffer.
@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
-import shutil
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from common import rank, raw_blob, raw_read, raw_write, world
+from common import drop_dir, fresh_dir, rank, raw_blob, raw_read, raw_write, world
 from mcore_compat import stand_ins
 
 import dist_checkpointing as dc
@@ -191,15 +189,14 @@ class Megatron(Method):
         """Save one small tensor once: Megatron-Core starts a multiprocessing manager (by
         ``spawn``, about 3 s here) at its first save in a process, a one-time cost that
         would land on the first timed run."""
-        path = os.path.join(root, f"megatron_warm_up_{rank()}")
-        os.makedirs(path, exist_ok=True)
+        path = fresh_dir(root, "megatron_warm_up")  # one directory: the save is collective
         mc = self._mc()
         with stand_ins():
             mc.save(
                 {f"w{rank()}": mc.ShardedTensor.from_rank_offsets(f"w{rank()}", torch.ones(4))},
                 path,
             )
-        shutil.rmtree(path, ignore_errors=True)
+        drop_dir(path)
 
     def save(self, local: Tensors, path: str) -> None:
         torch_strategies = importlib.import_module(

@@ -122,7 +122,10 @@ def summary(
     local: dict[str, torch.Tensor],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """The medians (times) and maxima (memory) of a method's runs, and its planning."""
+    """The medians (times) and maxima (memory) of a method's runs, the largest rank's
+    state, and the method's planning."""
+    state = torch.tensor([sum(t.nbytes for t in local.values())], dtype=torch.int64)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX)
     out: dict[str, Any] = {
         "save_s": statistics.median(r["save_s"] for r in runs),
         "load_s": statistics.median(r["load_s"] for r in runs),
@@ -130,7 +133,7 @@ def summary(
         "load_runs": [r["load_s"] for r in runs],
         "peak_rss": max(r["peak_rss"] for r in runs),
         "rss_growth": max(r["rss_growth"] for r in runs),
-        "state_bytes": runs[0]["state_bytes"],
+        "state_bytes": int(state),
         "files": runs[0]["files"],
     }
     if method.plans and not args.no_plan:
@@ -142,8 +145,6 @@ def run_once(
     method: Method, local: dict[str, torch.Tensor], i: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     """One save and load of ``method`` (round ``i``); the loaded values are checked."""
-    state = torch.tensor([sum(t.nbytes for t in local.values())], dtype=torch.int64)
-    dist.all_reduce(state, op=dist.ReduceOp.MAX)
     path = fresh_dir(args.root, f"{method.name}{i}")
     with measured() as saved:
         method.save(local, path)
@@ -163,7 +164,6 @@ def run_once(
         "load_s": loaded[0].seconds,
         "peak_rss": max(saved[0].peak_rss, loaded[0].peak_rss),
         "rss_growth": max(saved[0].rss_growth, loaded[0].rss_growth),
-        "state_bytes": int(state),
         "files": files,
     }
 

@@ -44,12 +44,12 @@ OTHER = torch.arange(ROWS * COLS, dtype=torch.float64).mul(0.5).reshape(ROWS, CO
 FLAT = torch.arange(ROWS * COLS, dtype=torch.float32).add(1000).reshape(ROWS, COLS)
 
 
-def _stand_ins() -> Any:
-    """``bench/mcore_compat.stand_ins``: CPU and NumPy 2 stand-ins for Megatron-Core."""
+def _mcore_compat() -> Any:
+    """``bench/mcore_compat.py``: the CPU and NumPy 2 stand-ins Megatron-Core needs here."""
     bench = str(ROOT / "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    return importlib.import_module("mcore_compat").stand_ins
+    return importlib.import_module("mcore_compat")
 
 
 def _library(name: str, release: str) -> Any:
@@ -124,7 +124,7 @@ def _save_then_load(
 ) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = _with_flat(release)
-    with _stand_ins()():
+    with _mcore_compat().stand_ins():
         save_lib, load_lib = _library(saver, release), _library(loader, release)
         state = _state(save_lib, rank, world, saving=True, flat=flat)
         if how == "sync":
@@ -274,7 +274,7 @@ def _random_cases(root: str, release: str, seed: int, cases: int) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     rng = random.Random(seed)
     checked = 0
-    with _stand_ins()():
+    with _mcore_compat().stand_ins():
         ours, mcore = _library("ours", release), _library("megatron", release)
         for case in range(cases):
             save_lib, load_lib = (ours, mcore) if case % 2 == 0 else (mcore, ours)
