@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import chain
+from operator import attrgetter
 from typing import Any, TypeGuard, TypeVar
 
 import numpy as np
@@ -79,12 +80,31 @@ _T = TypeVar("_T")
 def _shallow_copy(obj: _T) -> _T:
     """``copy.copy(obj)``; for our own leaf classes (not subclasses, which may customize
     copying) without the generic protocol (``__reduce_ex__``), which costs microseconds
-    per leaf on every save and load."""
-    if type(obj) not in (ShardedTensor, ShardedObject):
-        return copy.copy(obj)
-    out = object.__new__(type(obj))
-    out.__dict__.update(obj.__dict__)
-    return out
+    per leaf on every save and load. Fields are copied by attribute, never through
+    ``__dict__``: touching it makes CPython build an instance dict, a second object per
+    leaf for the garbage collector (see :meth:`ShardedTensor.from_rank_offsets`)."""
+    cls = type(obj)
+    if cls is ShardedTensor:
+        out: Any = object.__new__(cls)
+        (
+            out.key,
+            out.data,
+            out.dtype,
+            out.local_shape,
+            out.global_shape,
+            out.global_offset,
+            out.axis_fragmentations,
+            out.replica_id,
+            out.prepend_axis_num,
+            out.allow_shape_mismatch,
+            out.flattened_range,
+        ) = _tensor_fields(obj)
+        return out  # type: ignore[no-any-return]
+    if cls is ShardedObject:
+        out = object.__new__(cls)
+        out.key, out.data, out.global_shape, out.global_offset, out.replica_id = _object_fields(obj)
+        return out  # type: ignore[no-any-return]
+    return copy.copy(obj)
 
 
 @dataclass
@@ -296,20 +316,21 @@ class ShardedTensor(ShardedBase):
             # The block is consistent by construction (data gives dtype and local shape,
             # the grid was checked above): what __post_init__ would check holds, and
             # models build one of these per parameter on every save.
+            # Plain attribute stores, in field order: CPython keeps the values inline
+            # (no instance dict), so each leaf is one object for the garbage collector,
+            # not two (``__dict__.update`` would make the dict).
             out = object.__new__(cls)
-            out.__dict__.update(
-                key=key,
-                data=data,
-                dtype=data.dtype,
-                local_shape=tuple(data.shape),
-                global_shape=global_shape,
-                global_offset=global_offset,
-                axis_fragmentations=fragmentations,
-                replica_id=replica_id,
-                prepend_axis_num=prepend_axis_num,
-                allow_shape_mismatch=False,
-                flattened_range=None,
-            )
+            out.key = key
+            out.data = data
+            out.dtype = data.dtype
+            out.local_shape = tuple(data.shape)
+            out.global_shape = global_shape
+            out.global_offset = global_offset
+            out.axis_fragmentations = fragmentations
+            out.replica_id = replica_id
+            out.prepend_axis_num = prepend_axis_num
+            out.allow_shape_mismatch = False
+            out.flattened_range = None
             return out
         return cls(
             key,
@@ -417,6 +438,24 @@ class ShardedObject(ShardedBase):
             raise MappingError(parsed)
         key, offset, shape = parsed
         return cls(key, None, shape, offset, replica_id)
+
+
+# The fields of each leaf class in order, read at once by _shallow_copy (a test checks
+# them against dataclasses.fields).
+_tensor_fields = attrgetter(
+    "key",
+    "data",
+    "dtype",
+    "local_shape",
+    "global_shape",
+    "global_offset",
+    "axis_fragmentations",
+    "replica_id",
+    "prepend_axis_num",
+    "allow_shape_mismatch",
+    "flattened_range",
+)
+_object_fields = attrgetter("key", "data", "global_shape", "global_offset", "replica_id")
 
 
 def is_sharded_base(x: object) -> TypeGuard[ShardedBase]:

@@ -3,7 +3,9 @@ narrowing, ShardedObject keys, factories and the small helpers."""
 
 from __future__ import annotations
 
+import gc
 import pickle
+import types
 from typing import Any
 
 import numpy as np
@@ -528,6 +530,38 @@ def test_without_data() -> None:
     obj = ShardedObject("rng", {"seed": 1}, (2,), (1,), replica_id=3)
     assert obj.without_data() == ShardedObject("rng", None, (2,), (1,), replica_id=3)
     assert obj.data == {"seed": 1}
+
+
+def test_shallow_copy_copies_every_field() -> None:
+    # _shallow_copy names the fields of each leaf class: a field added to the class
+    # must be added there too.
+    import dataclasses
+
+    from dist_checkpointing import mapping
+
+    for cls, getter in (
+        (ShardedTensor, mapping._tensor_fields),
+        (ShardedObject, mapping._object_fields),
+    ):
+        names = [f.name for f in dataclasses.fields(cls)]
+        probe = types.SimpleNamespace(**{n: n for n in names})
+        assert list(getter(probe)) == names, cls.__name__
+
+
+def test_fast_leaves_are_one_object_for_the_collector() -> None:
+    # from_rank_offsets and without_data store fields as attributes: no instance dict is
+    # built, so the collector tracks one object per leaf, not two (a model builds one
+    # leaf per parameter on every save).
+    data = torch.zeros(4, 2)
+    leaves = [ShardedTensor.from_rank_offsets("w", data, (0, 1, 2)) for _ in range(3)]
+    leaves += [leaf.without_data() for leaf in leaves]
+    leaves.append(ShardedObject("rng", 1, (2,), (1,)).without_data())
+    gc.collect()
+    tracked = {id(o) for o in gc.get_objects()}
+    for leaf in leaves:
+        assert id(leaf) in tracked
+        assert not any(type(r) is dict for r in gc.get_referents(leaf)), leaf
+    assert leaves[0].global_shape == (8, 2) and leaves[3].data is None
 
 
 # ------------------------------------------------------------------ ShardedObject
