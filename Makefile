@@ -42,7 +42,7 @@ help:
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install -e ".[dev,nvrx,cli,msc]"
+	$(BIN)/python -m pip install -e ".[dev,nvrx,cli,msc,isal]"
 	touch $@
 
 venv install: $(STAMP)

@@ -35,6 +35,16 @@ from .writeback import Writeback
 
 ALGORITHM = "crc32c"
 
+# The CRC-32 of the zip format (the records of a ``torch.save`` archive, which the
+# ``torch_dist`` layout writes per item): ISA-L's where the ``isal`` extra is installed,
+# the same function with the same values at about 10x the speed of zlib's (21-57 against
+# 4.2 GB/s per core on the development VM); both release the GIL for large buffers.
+zip_crc32: Callable[..., int]
+try:
+    from isal.isal_zlib import crc32 as zip_crc32
+except ImportError:
+    from zlib import crc32 as zip_crc32
+
 
 def crc(data: Any, value: int = 0) -> int:
     """CRC32C of ``data`` (bytes-like), continuing from ``value``."""
@@ -358,4 +368,5 @@ __all__ = [
     "crc",
     "crc_each",
     "hashing_thread",
+    "zip_crc32",
 ]

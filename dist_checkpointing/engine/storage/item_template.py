@@ -21,7 +21,6 @@ import io
 import logging
 import pickle
 import struct
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from ..._torch_compat import legacy_storage_name, rebuild_tensor_v2, rebuild_tensor_v3
+from .checksums import zip_crc32
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _central(name: bytes, offset: int, crc: int, size: int) -> bytes:
 def _record(offset: int, name: str, payload: bytes, compute_crc: bool) -> tuple[bytes, bytes, int]:
     """(local header + payload + descriptor, central entry, crc) of a small record."""
     full = (_ARCHIVE + name).encode()
-    crc = zlib.crc32(payload) if compute_crc else 0
+    crc = zip_crc32(payload) if compute_crc else 0
     local = _local_header(offset, full, len(payload)) + payload + _descriptor(crc, len(payload))
     return local, _central(full, offset, crc, len(payload)), crc
 
@@ -148,7 +148,7 @@ class _Template:
         combined = _hash_combine(self.seed, crc) if self.nbytes else self.seed
         combined = _hash_combine(combined, self.version_crc)
         sid = self.name_hash + b"%020d" % combined
-        sid_crc = zlib.crc32(sid) if self.compute_crc else 0
+        sid_crc = zip_crc32(sid) if self.compute_crc else 0
         out = bytearray(self.tail_bytes)
         out[self.sid_at : self.sid_at + len(sid)] = sid
         for at in self.data_crc_at:

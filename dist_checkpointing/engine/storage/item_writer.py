@@ -16,13 +16,13 @@ import functools
 import io
 import logging
 import threading
-import zlib
 from collections.abc import Iterable
 from typing import BinaryIO
 
 import torch
 
 from ..process import cores_per_rank
+from .checksums import zip_crc32
 from .item_template import _MAX_FAST_BYTES, _itemsize, _record_name_hash, _template, _tensor_pickle
 from .tensor_bytes import byte_view
 
@@ -60,7 +60,7 @@ def write_tensor(stream: BinaryIO, tensor: torch.Tensor, compute_crc: bool | Non
     pickled = _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     template = _template(pickled, len(data), compute_crc)
     if len(data) < _COPY_BELOW_BYTES:  # small: one write (and one checksum call)
-        tail = template.tail(zlib.crc32(data) if compute_crc else 0)
+        tail = template.tail(zip_crc32(data) if compute_crc else 0)
         blob = b"".join((template.head, data, tail))
         stream.write(blob)
         return len(blob)
@@ -85,7 +85,7 @@ def _write_checksummed(
         return _write_with_parallel_crc(stream, data, crc)
     for start in range(0, len(data), _CACHE_CHUNK_BYTES):
         piece = data[start : start + _CACHE_CHUNK_BYTES]
-        crc = zlib.crc32(piece, crc)
+        crc = zip_crc32(piece, crc)
         stream.write(piece)
     return crc
 
@@ -101,7 +101,7 @@ def _write_with_parallel_crc(stream: BinaryIO, data: memoryview | bytes, crc: in
     """Write ``data`` in pieces while another thread computes its CRC-32 (both release
     the GIL), so the checksum costs no extra time when writing is the bottleneck."""
     result: list[int] = []
-    worker = threading.Thread(target=lambda: result.append(zlib.crc32(data, crc)), daemon=True)
+    worker = threading.Thread(target=lambda: result.append(zip_crc32(data, crc)), daemon=True)
     worker.start()
     try:
         for start in range(0, len(data), _CHUNK_BYTES):
@@ -209,7 +209,7 @@ def fast_path_supported(dtype: torch.dtype, compute_crc: bool = True) -> bool:
             data = _byte_view(probe)
             pickled = _tensor_pickle(dtype, shape, probe.stride())
             template = _template(pickled, len(data), compute_crc)
-            crc = zlib.crc32(data) if compute_crc else 0
+            crc = zip_crc32(data) if compute_crc else 0
             ours = template.head + bytes(data) + template.tail(crc)
             if ours != expected.getvalue():
                 logger.warning(
