@@ -142,6 +142,42 @@ def test_queue_without_dist_is_local(tmp_path: Path, persistent: bool) -> None:
         queue.close()
 
 
+class _Built:
+    """Stands for what a finalize function builds and the request keeps (a save's plan)."""
+
+
+def test_finalize_runs_with_the_collector_paused_and_frees_the_call_first(
+    tmp_path: Path,
+) -> None:
+    """A torch_dist finalize builds objects per tensor: the collector is paused while the
+    finalize functions run, and the queue lets go of the call (whose functions hold what
+    they built) before it resumes, so that nothing of it is left for the next collection."""
+    import gc
+    import weakref
+
+    built = _Built()
+    seen: list[bool] = []
+    freed: list[bool] = []
+    weakref.finalize(built, lambda: freed.append(gc.isenabled()))
+
+    def finalize(kept: _Built = built) -> None:
+        seen.append(gc.isenabled())
+
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(
+            AsyncRequest(_write_text, (str(tmp_path / "a"), "x"), [finalize])
+        )
+        del finalize, built  # the queue holds the only references now
+        assert gc.isenabled()
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert seen == [False]  # paused while the finalize function ran
+        assert freed == [False]  # freed by reference counting, still inside the pause
+        assert gc.isenabled()  # and resumed afterwards
+    finally:
+        queue.close()
+
+
 def test_persistent_mode_reports_unpicklable_async_fn(tmp_path: Path) -> None:
     queue = AsyncCallsQueue(persistent=True)
     target = tmp_path / "never"

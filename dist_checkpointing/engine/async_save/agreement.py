@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ...errors import CheckpointingException, CheckpointWriteError
 from ..collectives import RankGroup, dist_active, format_failures
-from ..process import format_current_exception
+from ..process import format_current_exception, gc_paused
 
 
 class _State(Enum):
@@ -108,8 +108,12 @@ def _run_finalize_fns(
     error on every rank (so no rank goes on believing the checkpoint is complete)."""
     status = _CallStatus(call_idx, _State.DONE)
     try:
-        for fn in finalize_fns:
-            fn()
+        # The collector is paused as in save() and load(): a torch_dist finalize builds
+        # the .metadata of every chunk (objects per tensor), and its automatic collections
+        # took 4.5-5.8 s of a 100,000-tensor finalize.
+        with gc_paused():
+            for fn in finalize_fns:
+                fn()
     except Exception:
         status = _CallStatus(
             call_idx, _State.FAILED, format_current_exception("a finalize function raised")

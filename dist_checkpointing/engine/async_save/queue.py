@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ...errors import CheckpointWriteError
+from ..process import gc_paused
 from .agreement import _global_rank, _run_finalize_fns
 from .caller import AsyncCaller
 from .persistent import PersistentAsyncCaller
@@ -136,25 +137,35 @@ class AsyncCallsQueue:
             if not done:
                 break
             self._drop_oldest()
-            start = time.monotonic()
-            try:
-                _run_finalize_fns(
-                    active.async_request.call_idx,
-                    active.async_request.finalize_fns,
-                    self.process_group,
-                    no_dist,
-                )
-            except BaseException:
-                active.async_request.run_abort_fns()
-                raise
-            logger.debug(
-                "rank %d: finalized async call %d in %.3fs",
-                _global_rank(),
-                active.idx,
-                time.monotonic() - start,
-            )
-            finalized.append(active.idx)
+            # The collector stays paused until this queue has let go of the call: what
+            # its finalize functions built is then freed by reference counting, not
+            # scanned by the first collection after the pause (0.6-0.8 s for a
+            # torch_dist save of 100,000 tensors).
+            with gc_paused():
+                finalized.append(self._finalize(active, no_dist))
+                del active
         return finalized
+
+    def _finalize(self, active: _ActiveAsyncRequest, no_dist: bool) -> int:
+        """Run the finalize functions of ``active`` (done on every rank); its id."""
+        start = time.monotonic()
+        try:
+            _run_finalize_fns(
+                active.async_request.call_idx,
+                active.async_request.finalize_fns,
+                self.process_group,
+                no_dist,
+            )
+        except BaseException:
+            active.async_request.run_abort_fns()
+            raise
+        logger.debug(
+            "rank %d: finalized async call %d in %.3fs",
+            _global_rank(),
+            active.idx,
+            time.monotonic() - start,
+        )
+        return active.idx
 
     def _drop_oldest(self, abort: bool = False) -> None:
         active = self.async_calls.popleft()
