@@ -246,6 +246,7 @@ def save(
 # --------------------------------------------------------------------------- load
 
 
+@_gc_paused_call
 def load_common_state_dict(
     checkpoint_dir: str | os.PathLike[str],
     common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
@@ -277,6 +278,7 @@ def load_content_metadata(
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 
+@_gc_paused_call
 def load_tensors_metadata(
     checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
@@ -291,6 +293,7 @@ def load_tensors_metadata(
     return strategy.load_tensors_metadata(ckpt)
 
 
+@_gc_paused_call
 def load_sharded_metadata(
     checkpoint_dir: str | os.PathLike[str],
     sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
@@ -309,6 +312,7 @@ def load_sharded_metadata(
     return metadata
 
 
+@_gc_paused_call
 def load_plain_tensors(
     checkpoint_dir: str | os.PathLike[str], *, verify_checksums: bool | None = None
 ) -> StateDict:
@@ -320,6 +324,7 @@ def load_plain_tensors(
     )
 
 
+@_gc_paused_call
 def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: str) -> None:
     """Remove the tensors whose key starts with ``key_prefix`` (run on one rank).
 
