@@ -110,7 +110,7 @@ def _run_finalize_fns(
     try:
         # The collector is paused as in save() and load(): a torch_dist finalize builds
         # the .metadata of every chunk (objects per tensor), and its automatic collections
-        # took 4.5-5.8 s of a 100,000-tensor finalize.
+        # took 4.5-7.4 s of a 100,000-tensor finalize.
         with gc_paused():
             for fn in finalize_fns:
                 fn()
