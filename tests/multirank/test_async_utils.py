@@ -178,6 +178,67 @@ def test_finalize_runs_with_the_collector_paused_and_frees_the_call_first(
         queue.close()
 
 
+def _write_gc_state(path: str) -> None:
+    import gc
+
+    Path(path).write_text(str(gc.isenabled()))
+
+
+@BOTH_KINDS
+def test_scheduling_pauses_the_collector_and_the_worker_collects(
+    tmp_path: Path, persistent: bool
+) -> None:
+    """Staging a call (a snapshot, a pickle of the plan for the persistent worker) runs
+    with the collector paused, the caller gets it back, and a worker forked while it was
+    paused (the first schedule starts it) still collects its own garbage."""
+    import gc
+
+    seen: list[bool] = []
+    queue = AsyncCallsQueue(persistent=persistent)
+    try:
+        queue.schedule_async_request(
+            AsyncRequest(
+                _write_gc_state,
+                (str(tmp_path / "worker"),),
+                [],
+                preload_fn=lambda: seen.append(gc.isenabled()),
+            )
+        )
+        assert seen == [False] and gc.isenabled()
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    # A temporal call's forked child keeps the collector off on purpose (see temporal.py).
+    assert (tmp_path / "worker").read_text() == str(persistent)
+
+
+def _rank_restart(tmp: Path) -> dict[str, Any]:
+    rank = dist.get_rank()
+    queue = AsyncCallsQueue(persistent=True)
+    try:
+        caller = queue.persistent_caller
+        assert caller is not None and caller.worker_pid is not None
+        first = caller.worker_pid
+        os.kill(first, signal.SIGKILL)
+        while caller.process is not None and caller.process.poll() is None:
+            time.sleep(0.01)  # (reaped by the caller: a second waiter would hide the exit)
+        out = tmp / f"w{rank}"
+        queue.schedule_async_request(AsyncRequest(_write_gc_state, (str(out),), []))
+        queue.maybe_finalize_async_calls(blocking=True)
+        second = caller.worker_pid
+    finally:
+        queue.close()
+    return {"first": first, "second": second, "collects": out.read_text()}
+
+
+def test_a_worker_restarted_while_scheduling_collects_its_garbage(tmp_path: Path) -> None:
+    """A persistent worker that died is started again by the next schedule, inside its
+    pause of the collector: the new worker must not inherit the pause."""
+    for result in run_distributed(_rank_restart, 2, tmp_path, timeout=120.0):
+        assert result["second"] not in (None, result["first"])  # a new worker ran the call
+        assert result["collects"] == "True"
+
+
 def test_persistent_mode_reports_unpicklable_async_fn(tmp_path: Path) -> None:
     queue = AsyncCallsQueue(persistent=True)
     target = tmp_path / "never"

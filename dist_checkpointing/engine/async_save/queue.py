@@ -101,7 +101,11 @@ class AsyncCallsQueue:
         caller = self._get_async_caller()
         start = time.monotonic()
         # The worker gets no finalize functions: they run here, and need not pickle.
-        caller.schedule_async_call(dataclasses.replace(request, finalize_fns=[]))
+        # Staging and handing over (a snapshot, a pickle of the plan) allocate objects
+        # per tensor while the plan is alive: the collector is paused, as in save()
+        # (its passes took 40-45% of a persistent schedule of 10,000-100,000 tensors).
+        with gc_paused():
+            caller.schedule_async_call(dataclasses.replace(request, finalize_fns=[]))
         logger.debug(
             "rank %d: scheduled async call %d (blocked %.3fs)",
             _global_rank(),

@@ -108,6 +108,9 @@ def _forked_main(requests_fd: int, results_fd: int, parent_ends: tuple[int, ...]
     # touch (copy) its pages and could tear down objects (CUDA state, wiped tensors:
     # see fork_memory) that only the trainer may release.
     gc.freeze()
+    # The worker collects its own garbage, whether or not the trainer had the collector
+    # paused when it forked (the queue starts the worker while it schedules a call).
+    gc.enable()
     for fd in parent_ends:
         os.close(fd)
     import torch
