@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fork_memory import tensors_wiped_on_fork
-from ..process import format_current_exception
+from ..process import format_current_exception, gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -232,17 +232,24 @@ def _receive(fd: int, inbox: queue.Queue[Any]) -> None:
 
 
 def run_payload(payload: bytes) -> str | None:
-    """Unpickle and run one request; return None on success, else the error text."""
-    try:
-        async_fn, args, kwargs = pickle.loads(payload)
-    except BaseException:
-        return format_current_exception(
-            "persistent worker could not unpickle the request (the worker does not run "
-            "the script's __main__: async_fn and the classes of its arguments must come "
-            "from importable modules)"
-        )
-    try:
-        async_fn(*args, **kwargs)
-    except BaseException:  # sys.exit() in async_fn must not end the worker silently
-        return format_current_exception("async_fn raised")
-    return None
+    """Unpickle and run one request; return None on success, else the error text.
+
+    The collector is paused meanwhile: the request holds objects per tensor (its plan),
+    and collections over them while it is unpickled and written only delay the write.
+    """
+    with gc_paused():
+        try:
+            async_fn, args, kwargs = pickle.loads(payload)
+        except BaseException:
+            return format_current_exception(
+                "persistent worker could not unpickle the request (the worker does not run "
+                "the script's __main__: async_fn and the classes of its arguments must come "
+                "from importable modules)"
+            )
+        try:
+            async_fn(*args, **kwargs)
+        except BaseException:  # sys.exit() in async_fn must not end the worker silently
+            return format_current_exception("async_fn raised")
+        finally:
+            del args, kwargs  # freed before the collector resumes
+        return None
