@@ -65,10 +65,35 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+#: The exit code :func:`child_exitcode` gives a child that is gone while its exit status
+#: went to another waiter of this process (SIGCHLD ignored, or a handler that waits).
+EXIT_STATUS_LOST = -(1 << 16)
+
+
+def child_exitcode(process: Any) -> int | None:
+    """``process.exitcode`` of a ``multiprocessing`` child, or :data:`EXIT_STATUS_LOST`
+    for one that is gone but whose exit status another waiter collected (``multiprocessing``
+    then reports it as running for ever). Checked with ``waitid(WNOWAIT)``, which never
+    collects the status itself."""
+    code: int | None = process.exitcode
+    if code is not None or not hasattr(os, "waitid"):
+        return code
+    try:
+        os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return EXIT_STATUS_LOST
+    return None  # running (or exited just now: the next look collects its code)
+
+
 def describe_exit(exitcode: int | None) -> str:
     """How a child process ended, for error messages ("was killed by signal SIGKILL")."""
     if exitcode is None:
         return "is still running"
+    if exitcode == EXIT_STATUS_LOST:
+        return (
+            "exited, its exit status taken by another waiter in this process (is SIGCHLD "
+            "ignored, or handled by a function that waits?)"
+        )
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name

@@ -253,6 +253,74 @@ def test_a_worker_restarted_while_scheduling_collects_its_garbage(tmp_path: Path
         assert result["collects"] == "True"
 
 
+_SIGCHLD_IGNORED = """
+import os, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps children: no exit status
+from dist_checkpointing.errors import CheckpointWriteError
+from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from tests.multirank.test_async_utils import _wait_then_write, _write_text
+
+tmp = Path(sys.argv[2])
+
+
+def settle(queue):
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            done = queue.maybe_finalize_async_calls(blocking=False)
+        except CheckpointWriteError as err:
+            return str(err)
+        if done:
+            return done
+        assert time.monotonic() < deadline, "the call never settled"
+        time.sleep(0.02)
+
+
+for persistent in (False, True):
+    kind = "persistent" if persistent else "temporal"
+    queue = AsyncCallsQueue(persistent=persistent)
+    # 1. A call that succeeds is finalized (non-blocking checks), not failed.
+    queue.schedule_async_request(AsyncRequest(_write_text, (str(tmp / kind), "x"), []))
+    print(kind, "ok", settle(queue) == [0], (tmp / kind).read_text() == "x")
+    # 2. A writer killed mid-call fails it, naming why no exit status is known.
+    flag = tmp / (kind + ".never")
+    queue.schedule_async_request(AsyncRequest(_wait_then_write, (str(flag), str(tmp / "n"), "n"), []))
+    time.sleep(0.5)
+    caller = queue.async_calls[0].async_caller
+    pid = caller.worker_pid if persistent else caller.process.pid
+    os.kill(pid, signal.SIGKILL)
+    error = settle(queue)
+    print(kind, "killed", isinstance(error, str) and "another waiter" in error, error[:300])
+    queue.close()  # no error from a child whose status is gone
+    print(kind, "closed")
+"""
+
+
+def test_children_whose_exit_status_is_taken_elsewhere(tmp_path: Path) -> None:
+    """With SIGCHLD ignored the kernel reaps our children and multiprocessing reports
+    them as running for ever: a successful temporal call was failed ("still running
+    before reporting"), a killed writer was never noticed by non-blocking checks, and
+    closing the persistent worker raised TimeoutExpired."""
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", _SIGCHLD_IGNORED, root, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    for kind in ("temporal", "persistent"):
+        assert f"{kind} ok True True" in lines, out.stdout
+        assert any(line.startswith(f"{kind} killed True") for line in lines), out.stdout
+        assert f"{kind} closed" in lines, out.stdout
+
+
 def test_persistent_mode_reports_unpicklable_async_fn(tmp_path: Path) -> None:
     queue = AsyncCallsQueue(persistent=True)
     target = tmp_path / "never"

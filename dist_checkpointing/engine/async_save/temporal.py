@@ -16,7 +16,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ...errors import CheckpointingException
-from ..process import child_context, describe_exit, format_current_exception
+from ..process import (
+    EXIT_STATUS_LOST,
+    child_context,
+    child_exitcode,
+    describe_exit,
+    format_current_exception,
+)
 from .agreement import _CallStatus, _global_rank, _State
 from .caller import AsyncCaller
 from .request import AsyncRequest
@@ -98,7 +104,7 @@ class TemporalAsyncCaller(AsyncCaller):
             return _CallStatus(self._call_idx, _State.DONE)
         if blocking:
             self.process.join()
-        elif self.process.is_alive():
+        elif child_exitcode(self.process) is None:
             return _CallStatus(self._call_idx, _State.RUNNING)
         self.process.join()
         self._status = self._collect_child_result()
@@ -118,10 +124,12 @@ class TemporalAsyncCaller(AsyncCaller):
         finally:
             self._result_reader.close()
             self._result_reader = None
-        exitcode = self.process.exitcode
+        exitcode = child_exitcode(self.process)
         pid = self.process.pid
         self.process = None
-        if reported and error is None and exitcode == 0:
+        # A child whose exit status another waiter took (SIGCHLD ignored...) is trusted
+        # by its report: it reports last, just before it exits.
+        if reported and error is None and exitcode in (0, EXIT_STATUS_LOST):
             logger.debug("rank %d: call %d finished locally", _global_rank(), self._call_idx)
             return _CallStatus(self._call_idx, _State.DONE)
         if error is None:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fork_memory import tensors_wiped_on_fork
-from ..process import format_current_exception, gc_paused
+from ..process import child_exitcode, format_current_exception, gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +90,14 @@ class ForkedProcess:
         self.pid: int = self._process.pid
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return child_exitcode(self._process)
 
     def kill(self) -> None:
         self._process.kill()
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
-        code = self._process.exitcode
+        code = self.poll()
         if code is None:
             raise subprocess.TimeoutExpired("persistent worker", timeout or 0.0)
         return code
