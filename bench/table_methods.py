@@ -13,9 +13,9 @@ the same order. ``unavailable()`` says why a method cannot run here (the row the
 - ``dcp``: plain ``torch.distributed.checkpoint`` with its default writer and reader;
 - ``megatron``: Megatron-Core's ``dist_checkpointing`` (its default ``torch_dist``
   strategy with ``thread_count=2``, as ours), when ``megatron.core`` imports
-  (``make bench`` installs 0.16.1 into ``.mcore-site/0.16.1``, see the Makefile). On a
-  machine without CUDA its two CUDA calls are given CPU stand-ins for the duration of its save and load
-  (``bench/mcore_compat.py``); nothing else of it is changed;
+  (``make bench`` installs 0.16.1 into ``.mcore-site/0.16.1``, see the Makefile). While
+  it saves and loads, ``bench/mcore_compat.py`` gives its two CUDA calls CPU stand-ins on
+  a machine without CUDA, and ``numpy.product`` under NumPy 2; nothing else is changed;
 - ``raw``: the baseline: this rank's bytes in as many files as ``ours`` writes per
   rank, one large write + fsync each, read back into a preallocated buffer.
 """

@@ -6,9 +6,14 @@ runs on every rank. Both caller kinds are covered (``persistent`` True/False).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -152,8 +157,6 @@ def test_finalize_runs_with_the_collector_paused_and_frees_the_call_first(
     """A torch_dist finalize builds objects per tensor: the collector is paused while the
     finalize functions run, and the queue lets go of the call (whose functions hold what
     they built) before it resumes, so that nothing of it is left for the next collection."""
-    import gc
-    import weakref
 
     built = _Built()
     seen: list[bool] = []
@@ -179,7 +182,6 @@ def test_finalize_runs_with_the_collector_paused_and_frees_the_call_first(
 
 
 def _write_gc_state(path: str) -> None:
-    import gc
 
     Path(path).write_text(str(gc.isenabled()))
 
@@ -187,8 +189,6 @@ def _write_gc_state(path: str) -> None:
 def _write_gc_state_after_the_call(path: str) -> None:
     """Records the collector's state once the call has returned (a thread in the
     worker: during the call the worker keeps the collector paused)."""
-    import gc
-    import threading
 
     def later() -> None:
         time.sleep(0.5)
@@ -199,13 +199,12 @@ def _write_gc_state_after_the_call(path: str) -> None:
 
 
 @BOTH_KINDS
-def test_scheduling_pauses_the_collector_and_the_worker_collects(
+def test_scheduling_and_the_call_run_with_the_collector_paused(
     tmp_path: Path, persistent: bool
 ) -> None:
     """Staging a call (a snapshot, a pickle of the plan for the persistent worker) runs
     with the collector paused and the caller gets it back; the call itself runs paused
     too (in the worker, or in the forked child of a temporal call)."""
-    import gc
 
     seen: list[bool] = []
     queue = AsyncCallsQueue(persistent=persistent)
@@ -303,8 +302,6 @@ def test_children_whose_exit_status_is_taken_elsewhere(tmp_path: Path) -> None:
     them as running for ever: a successful temporal call was failed ("still running
     before reporting"), a killed writer was never noticed by non-blocking checks, and
     closing the persistent worker raised TimeoutExpired."""
-    import subprocess
-    import sys
 
     root = str(Path(__file__).resolve().parents[2])
     out = subprocess.run(
