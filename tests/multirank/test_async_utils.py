@@ -157,7 +157,6 @@ def test_finalize_runs_with_the_collector_paused_and_frees_the_call_first(
     """A torch_dist finalize builds objects per tensor: the collector is paused while the
     finalize functions run, and the queue lets go of the call (whose functions hold what
     they built) before it resumes, so that nothing of it is left for the next collection."""
-
     built = _Built()
     seen: list[bool] = []
     freed: list[bool] = []
@@ -205,7 +204,6 @@ def test_scheduling_and_the_call_run_with_the_collector_paused(
     """Staging a call (a snapshot, a pickle of the plan for the persistent worker) runs
     with the collector paused and the caller gets it back; the call itself runs paused
     too (in the worker, or in the forked child of a temporal call)."""
-
     seen: list[bool] = []
     queue = AsyncCallsQueue(persistent=persistent)
     try:
@@ -302,7 +300,6 @@ def test_children_whose_exit_status_is_taken_elsewhere(tmp_path: Path) -> None:
     them as running for ever: a successful temporal call was failed ("still running
     before reporting"), a killed writer was never noticed by non-blocking checks, and
     closing the persistent worker raised TimeoutExpired."""
-
     root = str(Path(__file__).resolve().parents[2])
     out = subprocess.run(
         [sys.executable, "-c", _SIGCHLD_IGNORED, root, str(tmp_path)],
