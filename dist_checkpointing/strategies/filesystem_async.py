@@ -34,7 +34,7 @@ from .._torch_compat import DCP_VERSION, METADATA_FILE_NAME, StoragePrefix
 from ..engine import knobs
 from ..engine.storage import write_workers
 from ..engine.storage.base import FileSystemIO
-from ..engine.storage.bucketing import build_buckets, data_file_prefix
+from ..engine.storage.bucketing import BucketLayout, build_buckets, data_file_prefix
 from ..engine.storage.checksums import DataFileEntry
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.metadata_blob import metadata_bytes
@@ -57,9 +57,6 @@ logger = logging.getLogger(__name__)
 
 # Accepted for parity with torch's FileSystemWriter (bytes staged ahead per thread).
 DEFAULT_PER_THREAD_COPY_AHEAD = 10_000_000
-
-
-# --------------------------------------------------------------------------- metadata
 
 
 # --------------------------------------------------------------------------- the writer
@@ -149,6 +146,7 @@ class FileSystemWriterAsync(StorageWriter):
         self._results_queue: ResultsQueue | None = None
         self._buckets: list[WriteBucket] | None = None
         self._write_results: list[WriteResult] | None = None
+        self.bucket_layout: BucketLayout | None = None  # see prepare_write_data
 
     # ----------------------------------------------------------------- DCP protocol
 
@@ -318,13 +316,14 @@ class FileSystemWriterAsync(StorageWriter):
     # ----------------------------------------------------------------- async steps
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
-        """Resolve every item of ``plan`` and group them into size-balanced buckets.
+        """Resolve every item of ``plan`` and group them into size-balanced buckets
+        (as ``bucket_layout`` groups them, where it was made for ``plan.items``).
 
         CPU tensors are kept as they are (views of larger storages are copied);
         accelerator tensors are staged later (by the request's staging step,
         :class:`StageBuckets`).
         """
-        self._buckets = build_buckets(
+        self._buckets, self.bucket_layout = build_buckets(
             plan.items,
             planner.resolve_data,
             self.location.path,
@@ -333,6 +332,7 @@ class FileSystemWriterAsync(StorageWriter):
             self.separation_hint,
             save_tag=self.location.context.save_tag,
             checksum_block_bytes=self.location.context.block_bytes,
+            layout=self.bucket_layout,
         )
         self._write_results = None
         logger.debug(

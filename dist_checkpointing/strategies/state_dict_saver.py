@@ -3,7 +3,9 @@
 Call sequence, every rank of the group:
 
 1. ``save_state_dict_async_plan`` (in the calling process): the planner makes
-   the local plan and the writer tags it with its file prefix; unless every
+   the local plan (or, where it tracks the structure and the cached plan was made
+   from an equal ``structure_signature()``, rebinds that plan's items to the new
+   data) and the writer tags it with its file prefix; unless every
    rank's local plan equals the cached one (one all-reduce decides), the
    coordinator gathers all local plans, builds the global plan and the
    metadata, and scatters each rank its part; the writer then prepares
@@ -59,7 +61,11 @@ class CachedStructure:
     ``results_digest``: this rank's write results (checksums aside) at the last
     committed save. When every rank's results are unchanged too, the coordinator
     rewrites the previous metadata as it is (only ``storage_meta`` changes) and
-    ``metadata_rewritten`` is set on every rank.
+    ``metadata_rewritten`` is set on every rank. ``signature``: the planner's
+    ``structure_signature()`` of the state dict ``local_plan`` was made from (where
+    the planner tracks it): a save whose signature is equal reuses ``local_plan``'s
+    items without building them; ``bucket_layout``: how the writer grouped the items
+    into files (reused with them).
     """
 
     local_plan: SavePlan
@@ -69,6 +75,8 @@ class CachedStructure:
     reused: bool = False
     results_digest: int | None = None
     metadata_rewritten: bool = False
+    signature: list[Any] | None = None
+    bucket_layout: Any = None
 
 
 def _decentralized(planner: SavePlanner) -> bool:
@@ -218,14 +226,22 @@ def save_state_dict_async_plan(
         raise CheckpointingException("save_state_dict_async_plan needs a planner")
     group = RankGroup(process_group, coordinator_rank)
 
+    cached = cached_ckpt_structure
+    signature: list[Any] | None = None
+
     def local_step() -> SavePlan:
+        nonlocal signature
         # Files are named by the rank within the group (``__<rank>_<n>.distcp``).
         storage_writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
         planner.set_up_planner(state_dict, storage_writer.storage_meta(), group.is_coordinator)
+        if getattr(planner, "track_structure", False):
+            signature = planner.structure_signature()  # type: ignore[attr-defined]
+            if cached is not None and cached.signature == signature:
+                plan = planner.reuse_local_plan(cached.local_plan)  # type: ignore[attr-defined]
+                return storage_writer.prepare_local_plan(plan)
         return storage_writer.prepare_local_plan(planner.create_local_plan())
 
     local_plan, error = _attempt(local_step)
-    cached = cached_ckpt_structure
     reuse = (
         cached is not None
         and not cached.metadata_pending
@@ -245,16 +261,21 @@ def save_state_dict_async_plan(
     else:
         central_plan, metadata = _exchange_plans(group, local_plan, planner, storage_writer)
 
+    reused = not_cached == 0 and cached is not None
+
     def prepare() -> SavePlan:
         final = planner.finish_plan(central_plan)
+        if reused and cached is not None and cached.bucket_layout is not None:
+            storage_writer.bucket_layout = cached.bucket_layout  # type: ignore[attr-defined]
         storage_writer.prepare_write_data(final, planner)  # type: ignore[attr-defined]
         return final
 
     final_plan, error = _attempt(prepare)
     group.fail_together(error, "preparing the data to write")
-    reused = not_cached == 0 and cached is not None
     digest = cached.results_digest if reused and cached is not None else None
     structure = CachedStructure(local_plan, central_plan, metadata, pending, reused, digest)
+    structure.signature = signature
+    structure.bucket_layout = getattr(storage_writer, "bucket_layout", None)
     return storage_writer, metadata, structure
 
 

@@ -92,3 +92,103 @@ def test_unchanged_structure_rewrites_the_metadata_a_full_assembly_writes(
     # The rewrite splices the new path and save id into the first pickle of the same
     # object (engine/storage/metadata_blob): equal objects, frames may split elsewhere.
     assert same == full
+
+
+def _base(step: int, rank: int) -> float:
+    return 1000.0 * step + 100.0 * rank
+
+
+def _layouts(rank: int, world: int, step: int, dtype: torch.dtype) -> dict[str, Any]:
+    """A tensor-parallel weight, a layer-stacked one (a prepended axis), a
+    distributed-optimizer slice (half of a block's flat range: two ranks per block)
+    and an object, with values of the step and rank."""
+    base = _base(step, rank)
+    half = slice(3 * (rank % 2), 3 * (rank % 2) + 3)
+    return {
+        "w": ShardedTensor.from_rank_offsets(
+            "w", (torch.arange(6.0) + base).reshape(2, 3).to(dtype), (0, rank, world)
+        ),
+        "layers": ShardedTensor.from_rank_offsets(
+            "layers", torch.full((4,), base), (0, rank, world), prepend_axis_num=1
+        ),
+        "exp_avg": ShardedTensor.from_rank_offsets_flat(
+            "exp_avg",
+            torch.arange(6.0)[half] + base,
+            (6,),
+            (0, rank // 2, world // 2),
+            flattened_range=half,
+        ),
+        "rng": ShardedObject("rng", {"step": step, "rank": rank}, (world,), (rank,)),
+    }
+
+
+def _expected(world: int, step: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The global tensors of :func:`_layouts`, built element by element."""
+    w = torch.zeros(2 * world, 3)
+    layers = torch.zeros(world, 4)
+    exp_avg = torch.zeros(world // 2 * 6)
+    for r in range(world):
+        for i in range(6):
+            w[2 * r + i // 3, i % 3] = i + _base(step, r)
+        layers[r] = _base(step, r)
+    for j in range(exp_avg.numel()):
+        owner = 2 * (j // 6) + (j % 6) // 3
+        exp_avg[j] = j % 6 + _base(step, owner)
+    return {"w": w.to(dtype), "layers": layers, "exp_avg": exp_avg}
+
+
+def _reused_plans(tmp: str) -> list[Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    # Step 3 saves 'w' in bf16: the structure changes (only the dtype).
+    steps = [(0, torch.float32), (1, torch.float32), (2, torch.float32), (3, torch.bfloat16)]
+    seen: list[dict[str, bool]] = []
+    loaded: list[dict[str, Any]] = []
+    previous = None
+    for step, dtype in steps:
+        path = f"{tmp}/s{step}"
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        dc.save(_layouts(rank, world, step, dtype), path, strategy)
+        now = strategy.cached_structure
+        assert now is not None
+        seen.append(
+            {
+                "reused": now.reused,
+                "same_items": previous is not None
+                and now.local_plan.items is previous.local_plan.items,
+                "same_buckets": previous is not None
+                and now.bucket_layout is previous.bucket_layout,
+            }
+        )
+        previous = now
+        request = _layouts(rank, world, -1, dtype)
+        request["w"] = ShardedTensor.from_rank_offsets(
+            "w", torch.zeros(2 * world, 3, dtype=dtype), replica_id=rank
+        )
+        request["layers"] = ShardedTensor.from_rank_offsets(
+            "layers", torch.zeros(world, 4), replica_id=rank
+        )
+        got = dc.load(request, path)
+        loaded.append({k: got[k] for k in ("w", "layers", "exp_avg", "rng")})
+    return [seen, loaded]
+
+
+@world_sizes(2, 4)
+def test_an_unchanged_structure_reuses_the_plan_items_and_the_file_grouping(
+    world_size: int, tmp_path: Any
+) -> None:
+    results = run_distributed(_reused_plans, world_size, str(tmp_path), timeout=TIMEOUT_S)
+    for rank, (seen, loaded) in enumerate(results):
+        assert [s["reused"] for s in seen] == [False, True, True, False]
+        assert [s["same_items"] for s in seen] == [False, True, True, False]
+        assert [s["same_buckets"] for s in seen] == [False, True, True, False]
+        for (step, dtype), got in zip([(0, 0), (1, 0), (2, 0), (3, 1)], loaded):
+            want = _expected(world_size, step, torch.bfloat16 if dtype else torch.float32)
+            assert got["w"].dtype == want["w"].dtype
+            assert torch.equal(got["w"], want["w"]), (rank, step)
+            assert torch.equal(got["layers"], want["layers"]), (rank, step)
+            half = slice(6 * (rank // 2) + 3 * (rank % 2), 6 * (rank // 2) + 3 * (rank % 2) + 3)
+            assert torch.equal(got["exp_avg"], want["exp_avg"][half]), (rank, step)
+            assert got["rng"] == {"step": step, "rank": rank}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,12 +101,30 @@ def plan_buckets(
     return [b for group in groups for b in split_by_size(group, bins) if b]
 
 
+@dataclass(frozen=True)
+class BucketLayout:
+    """The grouping :func:`plan_buckets` made of the item list ``items`` (the very
+    list object) for ``thread_count`` and ``separation_hint``: a save that reuses its
+    cached plan reuses this too (:func:`build_buckets`)."""
+
+    items: Sequence[WriteItem]
+    thread_count: int
+    separation_hint: str | None
+    groups: list[list[WriteItem]]
+
+    def fits(self, items: Sequence[WriteItem], thread_count: int, hint: str | None) -> bool:
+        return (
+            self.items is items
+            and self.thread_count == thread_count
+            and self.separation_hint == hint
+        )
+
+
 def _is_whole_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` is contiguous and covers exactly its storage (torch.save saves all of it)."""
+    # Cheapest test first; ``nbytes`` is ``numel() * element_size()`` in one call.
     return (
-        t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
     )
 
 
@@ -127,16 +146,22 @@ def build_buckets(
     separation_hint: str | None,
     save_tag: str = "",
     checksum_block_bytes: int = 0,
-) -> list[WriteBucket]:
-    """The rank's buckets: items grouped by :func:`plan_buckets`, each item's data
-    resolved (``resolve``, the planner's ``resolve_data``), files named from ``prefix``.
+    layout: BucketLayout | None = None,
+) -> tuple[list[WriteBucket], BucketLayout]:
+    """The rank's buckets: items grouped by :func:`plan_buckets` (or as ``layout``
+    groups them, where it :meth:`~BucketLayout.fits`), each item's data resolved
+    (``resolve``, the planner's ``resolve_data``), files named from ``prefix``; and
+    the grouping, for the next save of the same plan.
 
     CPU tensors are kept as they are (views of larger storages are copied);
     accelerator tensors are staged later (by the request's staging step,
     ``StageBuckets``).
     """
+    if layout is None or not layout.fits(items, thread_count, separation_hint):
+        groups = plan_buckets(items, thread_count, separation_hint)
+        layout = BucketLayout(items, thread_count, separation_hint, groups)
     buckets = []
-    for n, group in enumerate(plan_buckets(items, thread_count, separation_hint)):
+    for n, group in enumerate(layout.groups):
         hinted = separation_hint is not None and group[0].index.fqn.startswith(separation_hint)
         hint = separation_hint if hinted and separation_hint else ""
         name = data_file_name(prefix, n, hint, save_tag)
@@ -153,10 +178,11 @@ def build_buckets(
                     f"{type(data).__name__}, expected a torch.Tensor"
                 )
         buckets.append(bucket)
-    return buckets
+    return buckets, layout
 
 
 __all__ = [
+    "BucketLayout",
     "build_buckets",
     "data_file_name",
     "data_file_prefix",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -58,7 +59,12 @@ from torch.distributed.checkpoint.planner import (
 
 from ..._shard_geometry import box_slices
 from ...engine.storage.metadata_parts import SharedParts
-from ...errors import CorruptCheckpointError, KeyMismatchError, ShapeMismatchError
+from ...errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    ShapeMismatchError,
+)
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor
 from .layout import (
     ND_REFORMULATED_SHAPE_KEY,
@@ -76,6 +82,19 @@ def _size(x: tuple[int, ...]) -> torch.Size:
     return torch.Size(x)
 
 
+# Every field of a ShardedTensor that its write item depends on (``stored_chunk``,
+# the dtype, the reformulated shape of a flat tensor).
+_tensor_signature = attrgetter(
+    "key",
+    "dtype",
+    "global_shape",
+    "global_offset",
+    "local_shape",
+    "prepend_axis_num",
+    "flattened_range",
+)
+
+
 def serialize_object(data: Any) -> io.BytesIO:
     """A ShardedObject payload as Megatron-Core stores it: ``torch.save([data])``."""
     buf = io.BytesIO()
@@ -89,16 +108,21 @@ class MCoreSavePlanner(DefaultSavePlanner):
 
     Args:
         object_serializer: turns a ShardedObject payload into bytes.
+        track_structure: the saver records :meth:`structure_signature` with the
+            plan, so that a later save of the same structure reuses the plan
+            (:meth:`reuse_local_plan`) instead of building every item again.
     """
 
     def __init__(
         self,
         object_serializer: Callable[[Any], io.BytesIO] = serialize_object,
         dedup_replicated_tensors: bool = False,
+        track_structure: bool = False,
     ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._serialize = object_serializer
         self._dedup = dedup_replicated_tensors
+        self.track_structure = track_structure
         self._data: dict[MetadataIndex, Any] = {}
         self.mcore_data: dict[str, dict[str, Any]] = {}
 
@@ -122,6 +146,46 @@ class MCoreSavePlanner(DefaultSavePlanner):
                     items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
                     self._data[index] = sh.data
         self.plan = SavePlan(items, planner_data=self.mcore_data)
+        return self.plan
+
+    def structure_signature(self) -> list[tuple[Any, ...]]:
+        """What :meth:`create_local_plan` makes of the state dict, leaf by leaf in plan
+        order: two state dicts with equal signatures get equal plans (data aside).
+        About 0.3 microseconds per leaf, against about 10 to build its item."""
+        signature = _tensor_signature
+        return [
+            signature(sh) if isinstance(sh, ShardedTensor) else (key,)
+            for key, shards in self.state_dict.items()
+            for sh in shards
+            if isinstance(sh, (ShardedTensor, ShardedObject))
+        ]
+
+    def reuse_local_plan(self, previous: SavePlan) -> SavePlan:
+        """``previous`` (a plan of a state dict with the same
+        :meth:`structure_signature`) with this state dict's data: the same item
+        objects, so that the saver's comparison with the cached plan is one identity
+        check per item."""
+        leaves = [
+            sh
+            for shards in self.state_dict.values()
+            for sh in shards
+            if isinstance(sh, (ShardedTensor, ShardedObject))
+        ]
+        if len(leaves) != len(previous.items):  # the signature said otherwise: a bug
+            raise CheckpointingException(
+                f"the cached plan has {len(previous.items)} items for {len(leaves)} leaves"
+            )
+        data = self._data
+        for item, sh in zip(previous.items, leaves):
+            value: Any = sh.data
+            if item.tensor_data is not None:
+                if value is None:
+                    raise ShapeMismatchError(f"ShardedTensor '{sh.key}' has no data to save")
+                sizes = item.tensor_data.chunk.sizes
+                value = value if value.shape == sizes else value.reshape(sizes)
+            data[item.index] = value
+        self.mcore_data = previous.planner_data
+        self.plan = SavePlan(previous.items, planner_data=previous.planner_data)
         return self.plan
 
     def _tensor_item(self, key: str, sh: ShardedTensor) -> WriteItem:

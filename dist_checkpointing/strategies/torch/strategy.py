@@ -106,9 +106,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         thread_count: data files (and writer processes) per rank (default: the
             ``SAVE_THREAD_COUNT`` knob, 2).
         cached_metadata: reuse the global plan and metadata of the previous save
-            when every rank's local plan is unchanged (no plan exchange). (The sharding
-            check is skipped while no rank's shard records change, with or without it:
-            see ``validated_structure``.)
+            when every rank's local plan is unchanged (no plan exchange). A rank whose
+            leaves have the same keys, dtypes, shapes, offsets and flat ranges as at
+            the previous save reuses that save's write items and file grouping, bound
+            to the new data, instead of building them again. (The sharding check is
+            skipped while no rank's shard records change, with or without it: see
+            ``validated_structure``.)
         separation_hint: key prefix whose items go to files of their own.
         cpu_shm_mode: Megatron-Core 0.19's choice of staging GPU tensors in CPU shared
             memory; accepted and kept (``self.cpu_shm_mode``): our writer always stages
@@ -195,7 +198,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             thread_count=self.thread_count,
             separation_hint=self.separation_hint,
         )
-        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica)
+        planner = MCoreSavePlanner(
+            dedup_replicated_tensors=not self.keep_only_main_replica,
+            track_structure=self.cached_metadata,
+        )
         _, metadata, structure = save_state_dict_async_plan(
             by_key,
             writer,
