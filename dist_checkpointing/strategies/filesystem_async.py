@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,7 +139,7 @@ class FileSystemWriterAsync(StorageWriter):
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.overwrite = overwrite
         self.separation_hint = separation_hint
-        self.save_id = _new_uuid()
+        self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
         self.rank: int | None = None
         self.can_run_decentralized_global_plan = True
@@ -154,7 +155,7 @@ class FileSystemWriterAsync(StorageWriter):
         """Start a new save (optionally into another directory)."""
         if checkpoint_id:
             self._set_location(checkpoint_id)
-        self.save_id = _new_uuid()
+        self.save_id = str(uuid.uuid4())
         self.close()
         self._buckets = None
         self._write_results = None
@@ -388,7 +389,8 @@ class FileSystemWriterAsync(StorageWriter):
         return write_fn, StageBuckets(buckets, deferred), args
 
     def retrieve_write_results(self, timeout: float | None = None) -> list[WriteResult]:
-        """This rank's WriteResults once the write function finished.
+        """This rank's WriteResults once the write function finished; the buckets let go
+        of their items and data.
 
         ``timeout`` (default: the ``RESULTS_TIMEOUT_S`` knob, 10 s) bounds the wait for
         the write function's outcome; it is normally there already, since
@@ -424,6 +426,9 @@ class FileSystemWriterAsync(StorageWriter):
         finally:
             self.close()
         self._write_results = self._check_outcome(outcome)
+        for bucket in self._buckets:  # written: only the results are needed from here on
+            bucket.release()
+        self.bucket_layout = None  # the saver keeps it where it caches the plan
         return self._write_results
 
     @staticmethod
@@ -485,12 +490,6 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
     if _results_queue is None:
         _results_queue = multiprocessing.get_context(mp_mode).Manager().Queue()
     return _results_queue
-
-
-def _new_uuid() -> str:
-    import uuid
-
-    return str(uuid.uuid4())
 
 
 __all__ = [

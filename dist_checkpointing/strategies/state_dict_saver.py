@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._torch_compat import StorageInfo
 from ..engine.collectives import RankGroup, describe_error
+from ..engine.storage.metadata_parts import SharedParts
 from ..engine.storage.write_results import ItemLocation, data_files_from_records
 from ..errors import CheckpointingException, CheckpointWriteError
 
@@ -135,13 +136,20 @@ def _commit_unchanged(
 
 
 def storage_data_from_records(records: Iterable[_ResultRecord]) -> dict[MetadataIndex, Any]:
-    """``Metadata.storage_data`` straight from compact write results (no WriteResult)."""
-    return {
-        MetadataIndex(fqn, None if offset is None else torch.Size(offset)): StorageInfo(
-            path, file_offset, length, transforms
-        )
-        for fqn, offset, _, path, file_offset, length, transforms, _ in records
-    }
+    """``Metadata.storage_data`` straight from compact write results (no WriteResult).
+
+    Equal offsets are one ``torch.Size``: pickle writes a shared object once and refers
+    back to it after, so ``.metadata`` is smaller and its pickling holds fewer objects.
+    (``MetadataIndex`` makes a new ``torch.Size`` of any offset it is given; the shared
+    one is put in its place.)"""
+    parts = SharedParts()
+    out = {}
+    for fqn, offset, _, path, file_offset, length, transforms, _ in records:
+        index = MetadataIndex(fqn)
+        if offset is not None:
+            object.__setattr__(index, "offset", parts.size(offset))  # a frozen dataclass
+        out[index] = StorageInfo(path, file_offset, length, transforms)
+    return out
 
 
 def _finish(storage_writer: StorageWriter, metadata: Metadata, per_rank: list[Any]) -> None:
@@ -369,6 +377,15 @@ def _all_unchanged(
     return all_same == 1
 
 
+def _release_plan(planner: SavePlanner | None, structure: CachedStructure | None) -> None:
+    release = getattr(planner, "release", None)
+    if callable(release):
+        release()
+    if structure is not None:
+        structure.local_plan = structure.central_plan = SavePlan([])
+        structure.bucket_layout = None
+
+
 def save_state_dict_async_finalize(
     storage_writer: StorageWriter,
     global_metadata: Metadata | None,
@@ -378,8 +395,14 @@ def save_state_dict_async_finalize(
     planner: SavePlanner | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    release_plan: bool = False,
 ) -> None:
     """Collect every rank's write results and commit ``.metadata`` (step 3 above).
+
+    ``release_plan`` (a save whose ``structure`` is not kept for the next one): once
+    the results are collected, the planner and ``structure`` let go of the plan and
+    the data it resolved, so that the metadata is built without them (100,000 tensors:
+    about 100 MiB less at the peak).
 
     ``dist_wrapper`` says which ranks take part: a process group (None: the world,
     or ``process_group``), or, as Megatron-Core passes it, DCP's distributed wrapper
@@ -401,6 +424,8 @@ def save_state_dict_async_finalize(
         return _compact_results(results), records
 
     collected, error = _attempt(collect)
+    if release_plan:
+        _release_plan(planner, structure)
     digest = None if collected is None else _results_digest(collected[0])
     unchanged = _all_unchanged(group, structure, storage_writer, digest)
     if error is not None:

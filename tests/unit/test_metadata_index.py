@@ -474,3 +474,30 @@ def test_a_reused_structure_reencodes_only_the_header(monkeypatch: pytest.Monkey
     md.storage_data = dict(md.storage_data or {})  # a new structure: encoded afresh
     with pytest.raises(AssertionError, match="encoded again"):
         encode_index(md, BLOB)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_metadata(), st.integers(1, 4))
+def test_the_body_encoded_in_batches_is_one_json_dumps(md: Metadata, batch: int) -> None:
+    """``_json_list`` encodes a batch of elements at a time (bounded memory): the text
+    is exactly that of one ``json.dumps`` of the whole body, batch boundaries anywhere."""
+    try:
+        expected = index_module._body(md)  # the real batch size: one batch here
+    except index_module._Inexpressible:
+        return
+    original = index_module._JSON_BATCH
+    index_module._JSON_BATCH = batch
+    try:
+        assert index_module._body(md) == expected
+    finally:
+        index_module._JSON_BATCH = original
+    files: dict[str, int] = {}
+    items = [index_module._item(i, s, files) for i, s in (md.storage_data or {}).items()]
+    attrs = vars(md)
+    whole = {
+        "entries": [index_module._entry(k, v) for k, v in md.state_dict_metadata.items()],
+        "files": list(files),
+        "items": items,
+        "mcore_data": index_module._mcore(attrs.get("mcore_data"), "mcore_data" in attrs),
+    }
+    assert expected == json.dumps(whole, separators=(",", ":"))[1:-1]

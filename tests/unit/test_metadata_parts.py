@@ -79,3 +79,33 @@ def test_parts_are_the_same_object_for_equal_values_only() -> None:
     assert parts.properties(torch.float16) is parts.properties(torch.float16)
     assert parts.properties(torch.float16) is not parts.properties(torch.float32)
     assert parts.properties(torch.int8) == TensorProperties(dtype=torch.int8)
+
+
+def test_storage_data_shares_equal_offsets_and_pickles_to_the_same_values() -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from dist_checkpointing._torch_compat import StorageInfo
+    from dist_checkpointing.strategies.state_dict_saver import storage_data_from_records
+
+    records = [
+        (f"w{i}", (4 * (i % 3), 0), 64, f"__0_{i % 2}.distcp", 100 * i, 64, None, None)
+        for i in range(12)
+    ] + [("obj", None, 5, "__0_0.distcp", 2000, 5, None, None)]
+    built = storage_data_from_records(records)
+    reference = {
+        MetadataIndex(fqn, None if off is None else torch.Size(off)): StorageInfo(p, o, n, t)
+        for fqn, off, _, p, o, n, t, _ in records
+    }
+    assert built == reference and list(built) == list(reference)
+    offsets = {}
+    for index in built:
+        if index.offset is not None:
+            assert type(index.offset) is torch.Size
+            assert offsets.setdefault(tuple(index.offset), index.offset) is index.offset
+    assert len(offsets) == 3  # three distinct offsets, one object each
+    md = Metadata(state_dict_metadata={}, storage_data=built)
+    blob = pickle.dumps(md, protocol=4)
+    unshared = pickle.dumps(Metadata(state_dict_metadata={}, storage_data=reference), protocol=4)
+    assert len(blob) < len(unshared)
+    for loaded in (pickle.loads(blob), load_metadata(io.BytesIO(blob))):
+        assert loaded.storage_data == reference

@@ -63,6 +63,12 @@ class WriteBucket:
     tensor_items: list[tuple[WriteItem, torch.Tensor]] = field(default_factory=list)
     checksum_block_bytes: int = 0  # 0: no checksums (a save outside the commit protocol)
 
+    def release(self) -> None:
+        """Drop the items and their data once the file is written and its results are
+        in (the paths stay, for messages): the metadata is then built without them."""
+        self.byte_items = []
+        self.tensor_items = []
+
 
 @dataclass
 class WriteOutcome:

@@ -188,6 +188,13 @@ class MCoreSavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(previous.items, planner_data=previous.planner_data)
         return self.plan
 
+    def release(self) -> None:
+        """Forget the plan, the data it resolved and the state dict: the saver calls it
+        once the writes are done, where the plan is not kept for the next save."""
+        self.plan = SavePlan([])
+        self._data = {}
+        self.state_dict = {}
+
     def _tensor_item(self, key: str, sh: ShardedTensor) -> WriteItem:
         chunk = stored_chunk(sh)
         if sh.flattened_range is not None:

@@ -219,6 +219,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             self.process_group,
             structure=structure,
             planner=planner,
+            release_plan=not self.cached_metadata,
         )
         return AsyncRequest(save_fn, tuple(save_args), [finalize], preload_fn=preload_fn)
 
