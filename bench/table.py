@@ -14,10 +14,10 @@ Cases (full mode; ``--quick`` has 64 MiB in 50 tensors, 1,000 and 5,000 tensors)
 
 Columns: save and load throughput (checkpoint bytes / seconds of the slowest rank);
 microseconds per tensor per rank (seconds x ranks / tensors); the planning step of a
-first save and of a second save of the same structure (cached); the largest rank's peak
-RSS, how far above its RSS at the start of the save or load that peak went (``RSS +``:
-what the method needs beyond the state), and the bytes of state it holds; the files in
-the checkpoint. With ``--rounds`` the methods run in rounds (each round runs every method
+first save and (the median of three) of the saves of the same structure after it
+(cached); the largest rank's peak RSS, how far above its RSS at the start of the save or
+load that peak went (``RSS +``: what the method needs beyond the state), and the bytes
+of state it holds; the files in the checkpoint. With ``--rounds`` the methods run in rounds (each round runs every method
 once) and share the state's tensors, so a peak RSS includes the state of every method of
 the case. Methods are described in ``bench/table_methods.py``; a method that cannot run
 here shows "n/a (why)".

@@ -1,0 +1,113 @@
+"""How long ``save()`` of an async save of many tensors blocks, for a first save and the
+saves of the same structure after it, without and with ``cached_metadata``.
+
+    python bench/blocked_save.py [--layout torch_dist] [--tensors 10000] [--saves 4]
+    torchrun --standalone --nproc_per_node=2 bench/blocked_save.py ...
+
+Each rank holds ``--tensors`` float32 tensors of 4-64 KiB (each its shard, on axis 0, of a
+global tensor over the ranks). Each save builds the sharded state dict afresh (a training
+loop does) and calls ``dist_checkpointing.save(..., async_sharded_save=True)``, timed (the
+slowest rank); then it schedules the request and waits for it to finish, untimed. A full
+garbage collection runs before each timed call. One strategy object serves all the saves
+of a row, so that with ``cached_metadata`` the second and later saves may reuse the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedTensor
+from dist_checkpointing.serialization import get_default_save_sharded_strategy
+from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+KIB = (4, 8, 16, 32, 64)
+
+
+def strategy_for(layout: str, cached: bool) -> object:
+    """The layout's default save strategy, with ``cached_metadata`` where it takes it."""
+    default = get_default_save_sharded_strategy(layout, 1)
+    try:
+        return type(default)(layout, 1, cached_metadata=cached)  # type: ignore[call-arg]
+    except TypeError:
+        return default
+
+
+def blocked_times(
+    local: dict[str, torch.Tensor], root: str, strategy: object, saves: int
+) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    queue = AsyncCallsQueue()
+    out = []
+    try:
+        for i in range(saves):
+            path = os.path.join(root, f"s{i}")
+            if rank == 0:
+                os.makedirs(path)
+            dist.barrier()
+            gc.collect()
+            start = time.perf_counter()
+            state = {
+                k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in local.items()
+            }
+            request = dc.save(state, path, strategy, async_sharded_save=True)
+            seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            out.append(float(seconds.item()))
+            queue.schedule_async_request(request)
+            del request, state
+            queue.maybe_finalize_async_calls(blocking=True)
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    finally:
+        queue.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layout", default="torch_dist")
+    parser.add_argument("--tensors", type=int, default=10_000, help="per rank")
+    parser.add_argument("--saves", type=int, default=4, help="per row")
+    args = parser.parse_args()
+    if "WORLD_SIZE" in os.environ:  # under torchrun
+        dist.init_process_group("gloo")
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29563")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    local = {f"t{i}": torch.randn(KIB[i % 5] * 256) for i in range(args.tensors)}
+    holder = [tempfile.mkdtemp(prefix="blocked_save_") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(holder)
+    try:
+        rows = {
+            cached: blocked_times(local, holder[0], strategy_for(args.layout, cached), args.saves)
+            for cached in (False, True)
+        }
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(holder[0], ignore_errors=True)
+    if dist.get_rank() == 0:
+        print(
+            f"{args.layout}, {args.tensors} tensors per rank, {dist.get_world_size()} rank(s): "
+            "blocked in save(), ms (slowest rank), first save then the later ones"
+        )
+        for cached, times in rows.items():
+            label = "cached_metadata" if cached else "no cache"
+            print(f"  {label:16s} " + "  ".join(f"{1e3 * t:7.1f}" for t in times))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""``bench/blocked_save.py`` with a few tensors: a row per cache setting and a time per
+save, on one rank (plain python) and on two (torchrun)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to python")
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_blocked_save_prints_a_time_per_save(ranks: int, tmp_path: Path) -> None:
+    script = str(ROOT / "bench" / "blocked_save.py")
+    args = ["--tensors", "30", "--saves", "3"]
+    cmd = [sys.executable, script, *args]
+    if ranks > 1:
+        cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}", script, *args]
+    env = dict(os.environ, TMPDIR=str(tmp_path), MASTER_PORT=str(_free_port()))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert f"{ranks} rank(s)" in proc.stdout
+    rows = {}
+    for line in proc.stdout.splitlines():
+        words = line.split()
+        if words[:2] == ["no", "cache"]:
+            rows["plain"] = words[2:]
+        elif words[:1] == ["cached_metadata"]:
+            rows["cached"] = words[1:]
+    assert len(rows["plain"]) == len(rows["cached"]) == 3, proc.stdout
+    assert all(float(t) > 0 for t in rows["plain"] + rows["cached"])
