@@ -198,6 +198,11 @@ def _doc(**fields: Any) -> bytes:
         (_doc(entries=[["v", "float32", "abcd", [[0, 4]]]]), "malformed entry"),
         (_doc(entries=[["v", "float32", [4], [["a", 4]]]]), "malformed entry"),
         (_doc(entries=[["v", "float32", [4], [[0, 4.5]]]]), "malformed entry"),
+        # A shape equal to one already read (4.0 == 4) is still refused, not shared.
+        (
+            _doc(entries=[["u", "float32", [4], [[0, 4]]], ["v", "float32", [4.0], [[0, 4]]]]),
+            "malformed entry",
+        ),
         (_doc(entries=[["v", "float32", [4]]]), "malformed entry"),
         (_doc(entries=[5]), "malformed entry"),
         (_doc(entries=[[7]]), "a key is int, not a string"),
@@ -501,3 +506,36 @@ def test_the_body_encoded_in_batches_is_one_json_dumps(md: Metadata, batch: int)
         "mcore_data": index_module._mcore(attrs.get("mcore_data"), "mcore_data" in attrs),
     }
     assert expected == json.dumps(whole, separators=(",", ":"))[1:-1]
+
+
+def _many(count: int, distinct: bool) -> Metadata:
+    """``count`` one-chunk entries, of equal shapes or of ``count`` distinct ones."""
+    entries: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for i in range(count):
+        n = 3 + i if distinct else 8
+        chunk = ChunkStorageMetadata(torch.Size([n, 0]), torch.Size([n, 4]))
+        props = TensorProperties(dtype=torch.bfloat16 if i % 2 else torch.float32)
+        entries[f"w{i}"] = TensorStorageMetadata(props, torch.Size([2 * n, 4]), [chunk])
+        storage[MetadataIndex(f"w{i}", chunk.offsets)] = StorageInfo("__0_0.distcp", 64 * i, 64)
+    return Metadata(entries, storage_data=storage)
+
+
+def test_decoded_metadata_shares_equal_shapes_dtypes_and_keys() -> None:
+    md = _many(100, distinct=False)
+    got = decode_index(encode_index(md, BLOB) or b"", BLOB, "idx")
+    assert got is not None
+    _same(got, md)
+    a, b, c = (got.state_dict_metadata[k] for k in ("w0", "w1", "w2"))
+    assert a.size is b.size and a.chunks[0].sizes is b.chunks[0].sizes
+    assert a.properties is c.properties and a.properties is not b.properties  # per dtype
+    for index in got.storage_data:
+        assert index.offset is a.chunks[0].offsets  # one object for (8, 0), items included
+        assert next(k for k in got.state_dict_metadata if k == index.fqn) is index.fqn
+
+
+def test_more_distinct_shapes_than_are_shared_decode_exactly() -> None:
+    md = _many(3 * index_module._MAX_SHARED_SHAPES, distinct=True)
+    got = decode_index(encode_index(md, BLOB) or b"", BLOB, "idx")
+    assert got is not None
+    _same(got, md)

@@ -1,4 +1,4 @@
-"""Shared parts for building a DCP ``Metadata`` on the save side.
+"""Shared parts for building a DCP ``Metadata`` (and the objects made from one).
 
 A model's ``.metadata`` repeats a few shapes and dtypes thousands of times: the chunk
 offsets of unsharded tensors are all zeros, layers have the same shapes, nearly every
@@ -6,14 +6,17 @@ tensor has one of two dtypes. :class:`SharedParts` hands out one ``torch.Size`` 
 distinct shape and one ``TensorProperties`` per dtype, so that pickle writes each once
 and refers to it afterwards: 10,000 one-chunk entries pickled in 11-13 instead of 24-27
 microseconds each in one run on the development VM, 17-18 instead of 28 in another, and
-the file (what Megatron-Core and plain DCP unpickle) is 14% smaller. The objects are
-immutable in practice (``torch.Size`` is a tuple; nothing changes a ``TensorProperties``
-once built). The keys of ``storage_data`` (``MetadataIndex``) make their own
-``torch.Size`` of the offset they are given, so they are left as they are.
+the file (what Megatron-Core and plain DCP unpickle) is 14% smaller. In memory, a shared
+shape is one object instead of one per use. The objects are immutable in practice
+(``torch.Size`` is a tuple; nothing changes a ``TensorProperties`` once built). The keys
+of ``storage_data`` (``MetadataIndex``) make their own ``torch.Size`` of the offset they
+are given: callers put the shared one back (``object.__setattr__``, the class is frozen).
 
-For what this process builds from its own and its peers' records only: the keys of its
-caches are tuples of ints, which a crafted file could make collide, so the load side
-(:mod:`.metadata_index`) does not use it.
+The keys of the shape cache are tuples of ints, which a crafted file could make collide.
+For shapes read from a file, ``SharedParts(max_shapes=n)`` remembers at most ``n``
+distinct ones (a lookup then compares with at most ``n`` keys, however their hashes
+collide) and builds each ``torch.Size`` before looking it up, so that only values
+``torch.Size`` accepts are shared (the metadata index reader uses it).
 """
 
 from __future__ import annotations
@@ -28,12 +31,22 @@ class SharedParts:
     """One ``torch.Size`` per distinct shape and one ``TensorProperties`` per dtype
     (for the lifetime of the object: one ``Metadata`` being built)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_shapes: int | None = None) -> None:
         self._sizes: dict[tuple[int, ...], torch.Size] = {}
         self._properties: dict[torch.dtype, TensorProperties] = {}
+        self._max_shapes = max_shapes
 
     def size(self, dims: Sequence[int]) -> torch.Size:
-        """``torch.Size(dims)``, the same object for equal ``dims``."""
+        """``torch.Size(dims)``, the same object for equal ``dims`` (with ``max_shapes``:
+        for the first ``max_shapes`` distinct ones)."""
+        if self._max_shapes is not None:
+            made = torch.Size(dims)  # raises for what is not a shape
+            shared = self._sizes.get(made)
+            if shared is not None:
+                return shared
+            if len(self._sizes) < self._max_shapes:
+                self._sizes[made] = made
+            return made
         key = tuple(dims)
         size = self._sizes.get(key)
         if size is None:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..._shard_geometry import box_intersection, box_slices
+from ...engine.storage.metadata_parts import SharedParts
 from ...errors import CorruptCheckpointError
 from ...mapping import ShardedTensor
 from .layout import (
@@ -36,9 +37,22 @@ from .layout import (
     stored_chunk,
 )
 
+_ZEROS: dict[int, torch.Size] = {}  # the all-zero offsets of each rank, one object each
 
-def _size(x: tuple[int, ...]) -> torch.Size:
-    return torch.Size(x)
+
+def _zeros(ndim: int) -> torch.Size:
+    zeros = _ZEROS.get(ndim)
+    if zeros is None:
+        zeros = _ZEROS.setdefault(ndim, torch.Size((0,) * ndim))
+    return zeros
+
+
+def _index(fqn: str, offsets: torch.Size, index: int | None) -> MetadataIndex:
+    """``MetadataIndex(fqn, offsets, index)`` holding ``offsets`` itself (the class would
+    make a copy): the read items of a load of many tensors share their shapes."""
+    key = MetadataIndex(fqn, None, index)
+    object.__setattr__(key, "offset", offsets)  # a frozen dataclass
+    return key
 
 
 @dataclass(eq=False)
@@ -89,10 +103,10 @@ def read_items(
         return [
             ReadItem(
                 type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(fqn, c.offsets, i),
-                dest_offsets=torch.Size((0,) * len(c.sizes)),
-                storage_index=MetadataIndex(fqn, c.offsets, j),
-                storage_offsets=torch.Size((0,) * len(c.sizes)),
+                dest_index=_index(fqn, c.offsets, i),
+                dest_offsets=_zeros(len(c.sizes)),
+                storage_index=_index(fqn, c.offsets, j),
+                storage_offsets=_zeros(len(c.sizes)),
                 lengths=c.sizes,
             )
             for i, (c, j) in enumerate(zip(chunks, exact))
@@ -118,6 +132,7 @@ class ReadLayout:
         self.block_cache: dict[tuple[str, tuple[int, ...]], _Staging] = {}
         self.stagings: list[_Staging] = []
         self._zero_fill = False
+        self._parts = SharedParts(max_shapes=64)  # equal request shapes: one object
 
     def finish_ready(self) -> None:
         """Run the copy-backs of staging buffers that need no read."""
@@ -139,7 +154,8 @@ class ReadLayout:
     def _add_chunk(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], target: _Target
     ) -> None:
-        chunk = ChunkStorageMetadata(offsets=_size(offsets), sizes=_size(sizes))
+        shape = self._parts.size
+        chunk = ChunkStorageMetadata(offsets=shape(offsets), sizes=shape(sizes))
         self.chunks.setdefault(key, []).append((chunk, target))
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
