@@ -192,3 +192,32 @@ def test_an_unchanged_structure_reuses_the_plan_items_and_the_file_grouping(
             half = slice(6 * (rank // 2) + 3 * (rank % 2), 6 * (rank // 2) + 3 * (rank % 2) + 3)
             assert torch.equal(got["exp_avg"], want["exp_avg"][half]), (rank, step)
             assert got["rng"] == {"step": step, "rank": rank}
+
+
+def _megatron_lm_style(tmp: str) -> list[bool]:
+    """As Megatron-LM turns caching on: the attribute, set after the strategy is built."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    strategy = TorchDistSaveShardedStrategy()
+    assert strategy.use_cached_ckpt_structure is False
+    strategy.use_cached_ckpt_structure = True
+    assert strategy.cached_metadata is True
+    reused = []
+    for step in range(3):
+        path = f"{tmp}/m{step}"
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        dc.save(_state(rank, world, step), path, strategy)
+        assert strategy.cached_structure is not None
+        reused.append(strategy.cached_structure.reused)
+        got = dc.load(_state(rank, world, -1), path)
+        assert torch.equal(got["w3"], _state(rank, world, step)["w3"].data)
+    return reused
+
+
+@world_sizes(2)
+def test_megatron_lm_turns_caching_on_with_use_cached_ckpt_structure(
+    world_size: int, tmp_path: Any
+) -> None:
+    for reused in run_distributed(_megatron_lm_style, world_size, str(tmp_path), timeout=TIMEOUT_S):
+        assert reused == [False, True, True]

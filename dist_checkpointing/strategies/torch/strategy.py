@@ -143,6 +143,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     commit_files = (METADATA_FNAME, METADATA_INDEX_NAME)
 
     @property
+    def use_cached_ckpt_structure(self) -> bool:
+        """Megatron-Core's name of ``cached_metadata``: Megatron-LM
+        (``--ckpt-assume-constant-structure``) and NeMo turn caching on by setting it on
+        the strategy after building it."""
+        return self.cached_metadata
+
+    @use_cached_ckpt_structure.setter
+    def use_cached_ckpt_structure(self, value: bool) -> None:
+        self.cached_metadata = bool(value)
+
+    @property
     def cached_structure(self) -> CachedStructure | None:
         """What the next save reuses with ``cached_metadata`` (None before the first save)."""
         return self._cached_structure
