@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from common import init_gloo
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -80,12 +81,7 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=10_000, help="per rank")
     parser.add_argument("--saves", type=int, default=4, help="per row")
     args = parser.parse_args()
-    if "WORLD_SIZE" in os.environ:  # under torchrun
-        dist.init_process_group("gloo")
-    else:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29563")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    init_gloo(29563)
     local = {f"t{i}": torch.randn(KIB[i % 5] * 256) for i in range(args.tensors)}
     holder = [tempfile.mkdtemp(prefix="blocked_save_") if dist.get_rank() == 0 else ""]
     dist.broadcast_object_list(holder)

@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from common import init_gloo
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -64,12 +65,7 @@ def main() -> None:
     parser.add_argument("--case", default="big", choices=("big", "mid", "one"))
     parser.add_argument("--repeat", type=int, default=8)
     args = parser.parse_args()
-    if "WORLD_SIZE" in os.environ:  # under torchrun
-        dist.init_process_group("gloo")
-    else:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29561")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    init_gloo(29561)
     local = make_case(args.case)
     holder = [tempfile.mkdtemp(prefix="checksum_overlap_") if dist.get_rank() == 0 else ""]
     dist.broadcast_object_list(holder)

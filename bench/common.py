@@ -31,6 +31,17 @@ def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def init_gloo(default_port: int) -> None:
+    """Join the gloo group torchrun set up, or (plain ``python``) a group of this one
+    process on 127.0.0.1 (``MASTER_PORT`` or ``default_port``)."""
+    if "WORLD_SIZE" in os.environ:  # under torchrun
+        dist.init_process_group("gloo")
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(default_port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
 def log(msg: str) -> None:
     if rank() == 0:
         print(msg, flush=True)

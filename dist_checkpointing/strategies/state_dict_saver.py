@@ -378,6 +378,7 @@ def _all_unchanged(
 
 
 def _release_plan(planner: SavePlanner | None, structure: CachedStructure | None) -> None:
+    """Drop the references to the plan that the planner and ``structure`` hold."""
     release = getattr(planner, "release", None)
     if callable(release):
         release()

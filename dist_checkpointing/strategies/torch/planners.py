@@ -4,11 +4,15 @@ Save (``MCoreSavePlanner``), call sequence on every rank:
     1. ``set_up_planner(by_key, storage_meta, is_coordinator)`` with the leaves
        grouped by sharded key (``_replace_state_dict_keys_with_sharded_keys``);
     2. ``create_local_plan()``: one write item per stored chunk, one BytesIO
-       item per ShardedObject (on every rank that holds a main replica);
+       item per ShardedObject (on every rank that holds a main replica). With
+       ``track_structure``, ``structure_signature()`` first; where it equals the one a
+       cached plan was made from, ``reuse_local_plan(cached_plan)`` instead;
     3. coordinator only: ``create_global_plan(all_plans)``: DCP's dedup and
        metadata, plus ``Metadata.mcore_data`` (logical shapes of flat tensors);
     4. ``finish_plan(central_plan)``; then the storage writer calls
-       ``resolve_data(item)`` for every item it writes.
+       ``resolve_data(item)`` for every item it writes;
+    5. after the writes, where the plan is not cached for the next save:
+       ``release()``.
 
 Load (``MCoreLoadPlanner``), call sequence on every rank:
     1. ``set_up_planner(by_key, metadata, is_coordinator)``;
