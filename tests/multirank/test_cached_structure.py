@@ -1,6 +1,8 @@
 """Saves with an unchanged structure (``cached_metadata=True``) on real gloo ranks: the
 coordinator rewrites the cached metadata only when every rank's structure and write
-results are unchanged, and that metadata is the one a full assembly writes."""
+results are unchanged, and that metadata is the one a full assembly writes; each rank
+reuses its plan's items and file grouping only while its structure is unchanged; and
+Megatron-LM's way of turning the cache on (``use_cached_ckpt_structure = True``) works."""
 
 from __future__ import annotations
 
@@ -137,15 +139,17 @@ def _expected(world: int, step: int, dtype: torch.dtype) -> dict[str, torch.Tens
     return {"w": w.to(dtype), "layers": layers, "exp_avg": exp_avg}
 
 
+# Step 3 saves 'w' in bf16: the structure changes (only the dtype).
+STEPS = [(0, torch.float32), (1, torch.float32), (2, torch.float32), (3, torch.bfloat16)]
+
+
 def _reused_plans(tmp: str) -> list[Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
-    # Step 3 saves 'w' in bf16: the structure changes (only the dtype).
-    steps = [(0, torch.float32), (1, torch.float32), (2, torch.float32), (3, torch.bfloat16)]
     seen: list[dict[str, bool]] = []
     loaded: list[dict[str, Any]] = []
     previous = None
-    for step, dtype in steps:
+    for step, dtype in STEPS:
         path = f"{tmp}/s{step}"
         if rank == 0:
             os.makedirs(path)
@@ -184,8 +188,8 @@ def test_an_unchanged_structure_reuses_the_plan_items_and_the_file_grouping(
         assert [s["reused"] for s in seen] == [False, True, True, False]
         assert [s["same_items"] for s in seen] == [False, True, True, False]
         assert [s["same_buckets"] for s in seen] == [False, True, True, False]
-        for (step, dtype), got in zip([(0, 0), (1, 0), (2, 0), (3, 1)], loaded):
-            want = _expected(world_size, step, torch.bfloat16 if dtype else torch.float32)
+        for (step, dtype), got in zip(STEPS, loaded):
+            want = _expected(world_size, step, dtype)
             assert got["w"].dtype == want["w"].dtype
             assert torch.equal(got["w"], want["w"]), (rank, step)
             assert torch.equal(got["layers"], want["layers"]), (rank, step)
