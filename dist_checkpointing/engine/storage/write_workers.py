@@ -35,6 +35,7 @@ from ..process import child_context, describe_exit, gc_paused, in_caller, traceb
 from .base import FileSystemIO
 from .checksums import ChecksumStream, ItemChecksum
 from .host_staging import StagingStep, TensorSlot
+from .item_codec import decode_tensor_items, encode_tensor_items
 from .resolve import filesystem_for
 from .staging_pool import TensorItemWriter
 
@@ -68,6 +69,22 @@ class WriteBucket:
         in (the paths stay, for messages): the metadata is then built without them."""
         self.byte_items = []
         self.tensor_items = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Tensor items as plain tuples where they can be (engine/storage/item_codec).
+        records = encode_tensor_items([item for item, _ in self.tensor_items])
+        fields = (self.path, self.relative_path, self.byte_items)
+        if records is None:
+            return WriteBucket, (*fields, self.tensor_items, self.checksum_block_bytes)
+        data = [t for _, t in self.tensor_items]
+        return _rebuild_bucket, (*fields, self.checksum_block_bytes, records, data)
+
+
+def _rebuild_bucket(
+    path: str, relative: str, byte_items: list[Any], block: int, records: list[Any], data: list[Any]
+) -> WriteBucket:
+    items = decode_tensor_items(records)
+    return WriteBucket(path, relative, byte_items, list(zip(items, data)), block)
 
 
 @dataclass
