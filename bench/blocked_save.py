@@ -7,23 +7,18 @@ saves of the same structure after it, without and with ``cached_metadata``.
 Each rank holds ``--tensors`` float32 tensors of 4-64 KiB (each its shard, on axis 0, of a
 global tensor over the ranks). Each save builds the sharded state dict afresh (a training
 loop does) and calls ``dist_checkpointing.save(..., async_sharded_save=True)``, timed (the
-slowest rank); then it schedules the request and waits for it to finish, untimed. A full
-garbage collection runs before each timed call. One strategy object serves all the saves
-of a row, so that with ``cached_metadata`` the second and later saves may reuse the plan.
+slowest rank, ``common.measured``: a full garbage collection first, outside the time);
+then it schedules the request and waits for it to finish, untimed. One strategy object
+serves all the saves of a row, so that with ``cached_metadata`` the second and later saves
+may reuse the plan.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import os
-import shutil
-import tempfile
-import time
 
 import torch
-import torch.distributed as dist
-from common import init_gloo
+from common import bench_root, drop_dir, fresh_dir, init_gloo, log, measured, rank, world
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
@@ -45,29 +40,22 @@ def strategy_for(layout: str, cached: bool) -> object:
 def blocked_times(
     local: dict[str, torch.Tensor], root: str, strategy: object, saves: int
 ) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
     queue = AsyncCallsQueue()
     out = []
     try:
         for i in range(saves):
-            path = os.path.join(root, f"s{i}")
-            if rank == 0:
-                os.makedirs(path)
-            dist.barrier()
-            gc.collect()
-            start = time.perf_counter()
-            state = {
-                k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in local.items()
-            }
-            request = dc.save(state, path, strategy, async_sharded_save=True)
-            seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-            out.append(float(seconds.item()))
+            path = fresh_dir(root, f"s{i}")
+            with measured() as m:
+                state = {
+                    k: ShardedTensor.from_rank_offsets(k, v, (0, rank(), world()))
+                    for k, v in local.items()
+                }
+                request = dc.save(state, path, strategy, async_sharded_save=True)
+            out.append(m[0].seconds)
             queue.schedule_async_request(request)
             del request, state
             queue.maybe_finalize_async_calls(blocking=True)
-            if rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
+            drop_dir(path)
     finally:
         queue.close()
     return out
@@ -83,26 +71,18 @@ def main() -> None:
     args = parser.parse_args()
     init_gloo(29563)
     local = {f"t{i}": torch.randn(KIB[i % 5] * 256) for i in range(args.tensors)}
-    holder = [tempfile.mkdtemp(prefix="blocked_save_") if dist.get_rank() == 0 else ""]
-    dist.broadcast_object_list(holder)
-    try:
+    with bench_root("blocked_save") as root:
         rows = {
-            cached: blocked_times(local, holder[0], strategy_for(args.layout, cached), args.saves)
+            cached: blocked_times(local, root, strategy_for(args.layout, cached), args.saves)
             for cached in (False, True)
         }
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(holder[0], ignore_errors=True)
-    if dist.get_rank() == 0:
-        print(
-            f"{args.layout}, {args.tensors} tensors per rank, {dist.get_world_size()} rank(s): "
+        log(
+            f"{args.layout}, {args.tensors} tensors per rank, {world()} rank(s): "
             "blocked in save(), ms (slowest rank), first save then the later ones"
         )
         for cached, times in rows.items():
             label = "cached_metadata" if cached else "no cache"
-            print(f"  {label:16s} " + "  ".join(f"{1e3 * t:7.1f}" for t in times))
-    dist.destroy_process_group()
+            log(f"  {label:16s} " + "  ".join(f"{1e3 * t:7.1f}" for t in times))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._torch_compat import StorageInfo
 from ..engine.collectives import RankGroup, describe_error
-from ..engine.storage.metadata_parts import SharedParts
+from ..engine.storage.bucketing import BucketLayout
+from ..engine.storage.metadata_parts import SharedParts, index_at
 from ..engine.storage.write_results import ItemLocation, data_files_from_records
 from ..errors import CheckpointingException, CheckpointWriteError
 
@@ -77,7 +78,7 @@ class CachedStructure:
     results_digest: int | None = None
     metadata_rewritten: bool = False
     signature: list[Any] | None = None
-    bucket_layout: Any = None
+    bucket_layout: BucketLayout | None = None
 
 
 def _decentralized(planner: SavePlanner) -> bool:
@@ -139,17 +140,14 @@ def storage_data_from_records(records: Iterable[_ResultRecord]) -> dict[Metadata
     """``Metadata.storage_data`` straight from compact write results (no WriteResult).
 
     Equal offsets are one ``torch.Size``: pickle writes a shared object once and refers
-    back to it after, so ``.metadata`` is smaller and its pickling holds fewer objects.
-    (``MetadataIndex`` makes a new ``torch.Size`` of any offset it is given; the shared
-    one is put in its place.)"""
-    parts = SharedParts()
-    out = {}
-    for fqn, offset, _, path, file_offset, length, transforms, _ in records:
-        index = MetadataIndex(fqn)
-        if offset is not None:
-            object.__setattr__(index, "offset", parts.size(offset))  # a frozen dataclass
-        out[index] = StorageInfo(path, file_offset, length, transforms)
-    return out
+    back to it after, so ``.metadata`` is smaller and its pickling holds fewer objects."""
+    shape = SharedParts().size
+    return {
+        index_at(fqn, None if offset is None else shape(offset)): StorageInfo(
+            path, file_offset, length, transforms
+        )
+        for fqn, offset, _, path, file_offset, length, transforms, _ in records
+    }
 
 
 def _finish(storage_writer: StorageWriter, metadata: Metadata, per_rank: list[Any]) -> None:

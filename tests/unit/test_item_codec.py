@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem
 from dist_checkpointing.engine.storage import item_codec
 from dist_checkpointing.engine.storage.write_workers import WriteBucket
 from dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from dist_checkpointing.strategies.torch.converter import _replace_state_dict_keys_with_sharded_keys
 from dist_checkpointing.strategies.torch.planners import MCoreSavePlanner
 
 
@@ -31,9 +32,7 @@ def _bucket() -> tuple[WriteBucket, MCoreSavePlanner]:
         ShardedObject("rng", {"seed": 1}, (1,), (0,)),
     ]
     planner = MCoreSavePlanner()
-    planner.set_up_planner(
-        {sh.unique_key if isinstance(sh, ShardedObject) else sh.key: [sh] for sh in leaves}
-    )
+    planner.set_up_planner(_replace_state_dict_keys_with_sharded_keys(dict(enumerate(leaves)))[0])
     plan = planner.create_local_plan()
     tensors = [(it, planner.resolve_data(it)) for it in plan.items if it.tensor_data is not None]
     objects = [(it, planner.resolve_data(it)) for it in plan.items if it.tensor_data is None]

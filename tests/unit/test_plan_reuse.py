@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from dist_checkpointing.engine.storage.bucketing import BucketLayout, build_buckets
 from dist_checkpointing.errors import ShapeMismatchError
 from dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from dist_checkpointing.strategies.torch.converter import _replace_state_dict_keys_with_sharded_keys
 from dist_checkpointing.strategies.torch.planners import MCoreSavePlanner
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.int64]
@@ -56,9 +57,8 @@ def _leaf(params: tuple[Any, ...], fill: float = 1.0) -> ShardedTensor:
 
 
 def _planner(leaves: list[Any]) -> MCoreSavePlanner:
-    by_key: dict[str, list[Any]] = {}
-    for sh in leaves:
-        by_key.setdefault(sh.unique_key if isinstance(sh, ShardedObject) else sh.key, []).append(sh)
+    # Grouped by key as the strategy groups them.
+    by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(dict(enumerate(leaves)))
     planner = MCoreSavePlanner(track_structure=True)
     planner.set_up_planner(by_key)
     return planner

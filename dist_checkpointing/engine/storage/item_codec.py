@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .metadata_parts import SharedParts
+from .metadata_parts import SharedParts, index_at
 
 # fqn, offset (or None), index hint, chunk offsets, chunk sizes, dtype, global size
 ItemRecord = tuple[str, Any, Any, tuple[int, ...], tuple[int, ...], torch.dtype, tuple[int, ...]]
@@ -73,9 +73,7 @@ def decode_tensor_items(records: Sequence[ItemRecord]) -> list[WriteItem]:
     shape = parts.size
     out = []
     for fqn, offset, hint, offsets, sizes, dtype, size in records:
-        index = MetadataIndex(fqn, None, hint)
-        if offset is not None:
-            object.__setattr__(index, "offset", shape(offset))  # a frozen dataclass
+        index = index_at(fqn, None if offset is None else shape(offset), hint)
         chunk = ChunkStorageMetadata(offsets=shape(offsets), sizes=shape(sizes))
         data = TensorWriteData(chunk=chunk, properties=parts.properties(dtype), size=shape(size))
         out.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))

@@ -67,7 +67,7 @@ from ..safety.metadata_check import CheckTooCostly, check_metadata
 from .checksums import crc
 from .location import CheckpointDir
 from .metadata_blob import derived_from_structure
-from .metadata_parts import SharedParts
+from .metadata_parts import SharedParts, index_at
 
 logger = logging.getLogger(__name__)
 
@@ -352,10 +352,8 @@ class _Reader:
         if type(file) is not int or file < 0 or (index is not None and type(index) is not int):
             raise ValueError(f"storage of {str(fqn)[:200]!r}: malformed file or index")
         info = StorageInfo(files[file], start, length)
-        key = MetadataIndex(self.keys.get(fqn, fqn), None, index)
-        if offset is not None:  # MetadataIndex would make a torch.Size of its own
-            object.__setattr__(key, "offset", self.parts.size(offset))
-        return key, info
+        shared = None if offset is None else self.parts.size(offset)
+        return index_at(self.keys.get(fqn, fqn), shared, index), info
 
     def storage_meta(self, meta: object) -> StorageMeta | None:
         if meta is None:

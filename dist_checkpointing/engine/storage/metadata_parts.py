@@ -10,7 +10,7 @@ the file (what Megatron-Core and plain DCP unpickle) is 14% smaller. In memory, 
 shape is one object instead of one per use. The objects are immutable in practice
 (``torch.Size`` is a tuple; nothing changes a ``TensorProperties`` once built). The keys
 of ``storage_data`` (``MetadataIndex``) make their own ``torch.Size`` of the offset they
-are given: callers put the shared one back (``object.__setattr__``, the class is frozen).
+are given: :func:`index_at` makes one that holds the shared offset itself.
 
 The keys of the shape cache are tuples of ints, which a crafted file could make collide.
 For shapes read from a file, ``SharedParts(max_shapes=n)`` remembers at most ``n``
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorProperties
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
 
 
 class SharedParts:
@@ -61,4 +61,13 @@ class SharedParts:
         return props
 
 
-__all__ = ["SharedParts"]
+def index_at(fqn: str, offset: torch.Size | None, hint: int | None = None) -> MetadataIndex:
+    """``MetadataIndex(fqn, offset, hint)`` holding ``offset`` itself: the class's
+    ``__post_init__`` would make a new ``torch.Size`` of it, undoing the sharing."""
+    index = MetadataIndex(fqn, None, hint)
+    if offset is not None:
+        object.__setattr__(index, "offset", offset)  # a frozen dataclass
+    return index
+
+
+__all__ = ["SharedParts", "index_at"]

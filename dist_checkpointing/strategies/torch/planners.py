@@ -82,10 +82,6 @@ ByKey = dict[str, list[ShardedBase]]
 ObjectLoader = Callable[[bytes, str], Any]
 
 
-def _size(x: tuple[int, ...]) -> torch.Size:
-    return torch.Size(x)
-
-
 # Every field of a ShardedTensor that its write item depends on (``stored_chunk``,
 # the dtype, the reformulated shape of a flat tensor).
 _tensor_signature = attrgetter(

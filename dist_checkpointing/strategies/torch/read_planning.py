@@ -19,14 +19,13 @@ import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..._shard_geometry import box_intersection, box_slices
-from ...engine.storage.metadata_parts import SharedParts
+from ...engine.storage.metadata_parts import SharedParts, index_at
 from ...errors import CorruptCheckpointError
 from ...mapping import ShardedTensor
 from .layout import (
@@ -45,14 +44,6 @@ def _zeros(ndim: int) -> torch.Size:
     if zeros is None:
         zeros = _ZEROS.setdefault(ndim, torch.Size((0,) * ndim))
     return zeros
-
-
-def _index(fqn: str, offsets: torch.Size, index: int | None) -> MetadataIndex:
-    """``MetadataIndex(fqn, offsets, index)`` holding ``offsets`` itself (the class would
-    make a copy): the read items of a load of many tensors share their shapes."""
-    key = MetadataIndex(fqn, None, index)
-    object.__setattr__(key, "offset", offsets)  # a frozen dataclass
-    return key
 
 
 @dataclass(eq=False)
@@ -103,9 +94,9 @@ def read_items(
         return [
             ReadItem(
                 type=LoadItemType.TENSOR,
-                dest_index=_index(fqn, c.offsets, i),
+                dest_index=index_at(fqn, c.offsets, i),  # the request's offsets, shared
                 dest_offsets=_zeros(len(c.sizes)),
-                storage_index=_index(fqn, c.offsets, j),
+                storage_index=index_at(fqn, c.offsets, j),
                 storage_offsets=_zeros(len(c.sizes)),
                 lengths=c.sizes,
             )
