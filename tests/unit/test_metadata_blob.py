@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dist_checkpointing._torch_compat import StorageInfo
 from dist_checkpointing.engine.safety.metadata import FORK_MIN_BYTES, load_metadata
-from dist_checkpointing.engine.storage import metadata_blob
+from dist_checkpointing.engine.storage import metadata_blob, metadata_pickle
 from dist_checkpointing.engine.storage.metadata_blob import metadata_bytes
 
 
@@ -111,10 +111,12 @@ def test_a_changed_field_is_never_served_from_the_template(change: str) -> None:
     [None, StorageMeta(Path("/ckpt/p"), "x"), StorageMeta("/ckpt/p", None)],
     ids=["no storage_meta", "path object", "no save id"],
 )
-def test_unusual_storage_meta_falls_back_to_the_plain_pickle(meta: StorageMeta | None) -> None:
+def test_unusual_storage_meta_falls_back_to_a_whole_pickle(meta: StorageMeta | None) -> None:
     metadata = _metadata(10)
     metadata.storage_meta = meta
-    assert metadata_bytes(metadata) == pickle.dumps(metadata, protocol=4)
+    assert metadata_bytes(metadata) == metadata_pickle.dumps(metadata)
+    assert id(metadata) not in metadata_blob._templates
+    assert _same_objects(metadata_bytes(metadata), metadata)
 
 
 def test_templates_go_with_their_metadata() -> None:

@@ -9,7 +9,8 @@ marker strings in place of ``storage_meta.checkpoint_id`` and ``save_id`` and ke
 a template. Each pickle of the same object after that splices the real strings in
 and fixes the length of the protocol-4 frame that holds them: a copy of the bytes,
 no walk over the entries. The result unpickles to the same objects as
-``pickle.dumps(metadata, protocol=4)`` (a property test checks it).
+``pickle.dumps(metadata, protocol=4)`` (a property test checks it). Pickles are made by
+:func:`.metadata_pickle.dumps` (the same objects as ``pickle.dumps``, in less memory).
 
 The template is reused only while ``state_dict_metadata``, ``planner_data`` and
 ``storage_data`` are the very objects it was made from (compared with ``is``; the
@@ -23,7 +24,6 @@ back to the plain pickle.
 
 from __future__ import annotations
 
-import pickle
 import secrets
 import threading
 import weakref
@@ -33,22 +33,14 @@ from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-PROTOCOL = 4
+from . import metadata_pickle
+from .metadata_pickle import PROTOCOL, str_op
+
 _HEADER = b"\x80\x04"  # PROTO 4
 _FRAME = 0x95
 _FRAME_HEADER_BYTES = 9  # FRAME opcode and an 8-byte little-endian length
-_SHORT_BINUNICODE = 0x8C
-_BINUNICODE = b"X"
 _MAX_TEMPLATES = 8  # metadata objects remembered (one per model being saved, typically)
 T = TypeVar("T")
-
-
-def _str_op(text: str) -> bytes:
-    """The pickle opcode (protocol 4) that pushes ``text``."""
-    data = text.encode("utf-8", "surrogatepass")
-    if len(data) < 256:
-        return bytes((_SHORT_BINUNICODE, len(data))) + data
-    return _BINUNICODE + len(data).to_bytes(4, "little") + data
 
 
 def _frames(blob: bytes) -> list[tuple[int, int]] | None:
@@ -112,7 +104,7 @@ class _Template:
                 continue
             parts, pos = [], start
             for (s0, s1), value in inside:
-                parts += [self.blob[pos:s0], _str_op(value)]
+                parts += [self.blob[pos:s0], str_op(value)]
                 pos = s1
             parts.append(self.blob[pos:end])
             content = b"".join(parts)
@@ -129,7 +121,7 @@ def _make_template(metadata: Metadata, meta: StorageMeta) -> _Template | None:
     original = metadata.storage_meta
     metadata.storage_meta = StorageMeta(markers[0], markers[1], meta.load_id, meta.modules)
     try:
-        blob = pickle.dumps(metadata, protocol=PROTOCOL)
+        blob = metadata_pickle.dumps(metadata)
     finally:
         metadata.storage_meta = original
     frames = _frames(blob)
@@ -137,7 +129,7 @@ def _make_template(metadata: Metadata, meta: StorageMeta) -> _Template | None:
         return None
     spots = []
     for marker in markers:
-        op = _str_op(marker)
+        op = str_op(marker)
         at = blob.find(op)
         if at < 0 or blob.find(op, at + 1) >= 0:
             return None
@@ -165,7 +157,7 @@ def metadata_bytes(metadata: Metadata) -> bytes:
         or not isinstance(meta.checkpoint_id, str)
         or not isinstance(meta.save_id, str)
     ):
-        return pickle.dumps(metadata, protocol=PROTOCOL)
+        return metadata_pickle.dumps(metadata)
     values = (meta.checkpoint_id, meta.save_id)
     with _lock:
         template = _templates.get(id(metadata))
@@ -173,7 +165,7 @@ def metadata_bytes(metadata: Metadata) -> bytes:
             return template.fill(values)
     template = _make_template(metadata, meta)
     if template is None:
-        return pickle.dumps(metadata, protocol=PROTOCOL)
+        return metadata_pickle.dumps(metadata)
     with _lock:
         while len(_templates) >= _MAX_TEMPLATES:
             del _templates[next(iter(_templates))]
