@@ -160,6 +160,8 @@ def _finish(storage_writer: StorageWriter, metadata: Metadata, per_rank: list[An
     data_files = data_files_from_records(
         loc for records in per_rank for loc in _item_locations(records)
     )
+    for records in per_rank:  # now in storage_data and data_files: not held while pickling
+        records.clear()
     storage_writer.finish_assembled(metadata, data_files)
 
 
@@ -191,6 +193,8 @@ def _commit_metadata(
     metadata = global_metadata
     if pending:
         metadata = planner.metadata_from_records([v[1] for _, v in gathered])  # type: ignore[union-attr]
+        for _, v in gathered:  # merged into metadata: not held while it is pickled
+            v[1][0].clear()
     if metadata is None:
         return ("error", "the coordinator has no global metadata to write"), None
     _, finish_error = _attempt(
@@ -420,7 +424,11 @@ def save_state_dict_async_finalize(
     def collect() -> tuple[list[_ResultRecord], Any]:
         results = storage_writer.retrieve_write_results()  # type: ignore[attr-defined]
         records = planner.plan_records(structure.local_plan) if pending else None  # type: ignore[union-attr]
-        return _compact_results(results), records
+        compact = _compact_results(results)
+        release = getattr(storage_writer, "release_write_results", None)
+        if release is not None:  # the compact form is all that is used from here on
+            release()
+        return compact, records
 
     collected, error = _attempt(collect)
     if release_plan:

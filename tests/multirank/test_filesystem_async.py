@@ -46,7 +46,11 @@ from dist_checkpointing.engine.storage import item_reader, item_writer, resolve
 from dist_checkpointing.engine.storage import write_workers as ww
 from dist_checkpointing.engine.storage.bucketing import item_size, plan_buckets, split_by_size
 from dist_checkpointing.engine.storage.write_workers import FileResultsQueue
-from dist_checkpointing.errors import CheckpointWriteError, UnsupportedFeatureError
+from dist_checkpointing.errors import (
+    CheckpointingException,
+    CheckpointWriteError,
+    UnsupportedFeatureError,
+)
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from tests.support.golden_utils import GOLDEN_DIR
 from tests.support.harness import run_distributed
@@ -403,6 +407,10 @@ def test_async_write_in_a_forked_process(tmp_path: Path) -> None:
     results = writer.retrieve_write_results()
     assert sorted(r.index.fqn for r in results) == sorted(sd)
     assert not os.path.exists(args[2].directory)  # the results channel cleaned up
+    assert writer.retrieve_write_results() is results  # kept until released
+    writer.release_write_results()
+    with pytest.raises(CheckpointingException, match="after release_write_results"):
+        writer.retrieve_write_results()  # never an empty list that would lose items
 
 
 def test_rank_with_nothing_to_write(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """What a ``torch_dist`` save still holds while the coordinator builds and pickles
 ``.metadata`` (the peak of a save of many tensors): not the plan's write items nor the
-data they resolved, unless ``cached_metadata`` keeps the plan for the next save."""
+data they resolved, unless ``cached_metadata`` keeps the plan for the next save, and
+never the writer's write results."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
 
 import dist_checkpointing as dc
 from dist_checkpointing.mapping import ShardedTensor
@@ -23,17 +25,19 @@ PREFIX = "memtest."
 TENSORS = 40
 
 
-def _live_items() -> int:
-    return sum(
-        1
-        for o in gc.get_objects()
-        if type(o) is WriteItem and o.index.fqn.startswith(PREFIX)  # noqa: E721
+def _live_items() -> tuple[int, int]:
+    """The write items and write results of this test's tensors alive now."""
+    alive = [o for o in gc.get_objects() if type(o) in (WriteItem, WriteResult)]
+    ours = [o for o in alive if o.index.fqn.startswith(PREFIX)]
+    return (
+        sum(type(o) is WriteItem for o in ours),  # noqa: E721
+        sum(type(o) is WriteResult for o in ours),  # noqa: E721
     )
 
 
 def _alive_at_metadata(tmp: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     original = filesystem_async.metadata_bytes
 
     def counting(metadata: Any) -> bytes:
@@ -82,7 +86,10 @@ def test_the_metadata_is_built_without_the_plan_unless_the_plan_is_cached(
 ) -> None:
     results = run_distributed(_alive_at_metadata, world_size, str(tmp_path), timeout=TIMEOUT_S)
     coordinator = results[0]
-    assert coordinator["plain"] == [0]  # every write item was let go before the pickle
-    assert coordinator["cached"] == [TENSORS]  # kept for the next save: this rank's items
+    # Every write item was let go before the pickle; with the cache, this rank's are kept
+    # for the next save. The write results were let go in both (their compact form is
+    # what the metadata is built from).
+    assert coordinator["plain"] == [(0, 0)]
+    assert coordinator["cached"] == [(TENSORS, 0)]
     for rank in results:
         assert rank["plain_exact"] and rank["cached_exact"]

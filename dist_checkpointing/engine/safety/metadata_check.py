@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dist_checkpointing._torch_compat import StorageInfo
 from dist_checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 from .bounded import short_repr
@@ -70,19 +71,21 @@ class _Checker:
         return tuple(value)
 
     def tensor(self, key: str, md: TensorStorageMetadata) -> None:
-        fields = vars(md)
-        chunks = fields.get("chunks")
-        props = fields.get("properties")
+        # Fields read as attributes, not through vars(): CPython makes an instance's
+        # __dict__ on first access and keeps it (100,000 entries: 18 MiB). Same values:
+        # these classes have no properties and, for these fields, no class defaults.
+        chunks = getattr(md, "chunks", None)
+        props = getattr(md, "properties", None)
         if (  # the common cases in a few operations (else the checks below say why)
             type(chunks) is list
             and type(props) is TensorProperties
             and isinstance(vars(props).get("dtype"), torch.dtype)
         ):
-            size = fields.get("size")
+            size = getattr(md, "size", None)
             if (  # one chunk, the whole tensor
                 len(chunks) == 1
                 and type(chunks[0]) is ChunkStorageMetadata
-                and _whole(size, vars(chunks[0]))
+                and _whole(size, chunks[0])
             ):
                 return
             fast = _well_formed_boxes(size, chunks) if len(chunks) >= _MANY_CHUNKS else None
@@ -90,7 +93,7 @@ class _Checker:
                 self._disjoint(key, fast)
                 return
         where = f"tensor {key[:200]!r}"
-        size = self.dims(fields.get("size"), where, "size")
+        size = self.dims(getattr(md, "size", None), where, "size")
         if type(props) is not TensorProperties or not isinstance(
             vars(props).get("dtype"), torch.dtype
         ):
@@ -101,8 +104,8 @@ class _Checker:
         for chunk in chunks:
             if type(chunk) is not ChunkStorageMetadata:
                 raise self.fail(where, f"a chunk is {_short(chunk)}")
-            off = self.dims(vars(chunk).get("offsets"), where, "chunk offsets")
-            ext = self.dims(vars(chunk).get("sizes"), where, "chunk sizes")
+            off = self.dims(getattr(chunk, "offsets", None), where, "chunk offsets")
+            ext = self.dims(getattr(chunk, "sizes", None), where, "chunk sizes")
             if len(off) != len(size) or len(ext) != len(size):
                 raise self.fail(where, f"chunk {off}+{ext} does not have {len(size)} dims")
             if any(o + e > s for o, e, s in zip(off, ext, size)):
@@ -149,15 +152,15 @@ class _Checker:
         if type(storage_data) is not dict:
             raise self.fail("storage_data", f"expected a dict, found {_short(storage_data)}")
         index_type, text, number = MetadataIndex, str, int
+        info_type = StorageInfo
         for index, info in storage_data.items():  # the common case, in few operations
-            fields = getattr(info, "__dict__", None)
             if (
                 type(index) is not index_type
                 or type(index.fqn) is not text
-                or fields is None
-                or type(fields.get("relative_path")) is not text
-                or type(off := fields.get("offset")) is not number
-                or type(length := fields.get("length")) is not number
+                or type(info) is not info_type  # (attributes as in tensor(), not vars())
+                or type(getattr(info, "relative_path", None)) is not text
+                or type(off := getattr(info, "offset", None)) is not number
+                or type(length := getattr(info, "length", None)) is not number
                 or off < 0
                 or length < 0
             ):
@@ -168,7 +171,7 @@ class _Checker:
         if type(index) is not MetadataIndex or type(index.fqn) is not str:
             raise self.fail("storage_data", f"a key is {_short(index)}")
         where = f"storage of {index.fqn[:200]!r}"
-        if not hasattr(info, "__dict__"):
+        if type(info) is not StorageInfo:
             raise self.fail(where, f"found {_short(info)}, not a storage location")
         fields = vars(info)
         path, off, length = (fields.get(k) for k in ("relative_path", "offset", "length"))
@@ -257,10 +260,10 @@ def _well_formed_boxes(size: object, chunks: list[Any]) -> list[Box] | None:
     return boxes
 
 
-def _whole(size: object, chunk: dict[str, Any]) -> bool:
-    """Whether ``chunk`` (a chunk's fields) covers all of a tensor of ``size``, all of
-    them well-formed ``torch.Size`` (whose items are ints)."""
-    off, ext = chunk.get("offsets"), chunk.get("sizes")
+def _whole(size: object, chunk: ChunkStorageMetadata) -> bool:
+    """Whether ``chunk`` covers all of a tensor of ``size``, all of them well-formed
+    ``torch.Size`` (whose items are ints)."""
+    off, ext = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
     return (
         type(size) is torch.Size
         and type(off) is torch.Size

@@ -318,7 +318,6 @@ class _Reader:
                 storage_meta=self.storage_meta(doc.get("storage_meta")),
                 version=version,
             )
-            self.keys = {}
         except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
             # The entry at fault is named by the checks below where they can; this is
             # JSON of the wrong shape (a string for a list, an unknown dtype, ...).
@@ -326,6 +325,7 @@ class _Reader:
         mcore = doc.get("mcore_data")
         if mcore is not None:
             metadata.mcore_data = self.mcore(mcore)  # type: ignore[attr-defined]
+        self.keys = {}
         return metadata
 
     # Keys are checked to be strings before they go into a dict: str hashes are
@@ -382,7 +382,8 @@ class _Reader:
                 )
             ):
                 raise self.fail(f"mcore_data[{key[:200]!r}] is malformed")
-            out[key] = {} if shape is None else {_RESHAPE_KEY: tuple(shape)}
+            shared: str = self.keys.get(key) or key  # the entry's own string where it has one
+            out[shared] = {} if shape is None else {_RESHAPE_KEY: tuple(shape)}
         return out
 
 

