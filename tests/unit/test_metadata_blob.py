@@ -1,8 +1,9 @@
 """``.metadata`` bytes reused across saves (engine/storage/metadata_blob).
 
 The spliced pickle must unpickle to exactly what ``pickle.dumps`` of the same object
-gives, for any path and save id; a template must never be reused once the object's
-other fields changed; anything unusual falls back to the plain pickle.
+gives, for any path and save id; a template is made from an object's second pickle on
+and never reused once the object's other fields changed; anything unusual falls back
+to a whole pickle.
 """
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ def test_spliced_pickle_unpickles_to_the_plain_pickle(
             assert load_metadata(io.BytesIO(blob)).storage_meta == metadata.storage_meta
 
 
-def test_second_pickle_reuses_the_template_and_loads_safely(tmp_path: Path) -> None:
+def test_later_pickles_reuse_the_template_and_load_safely(tmp_path: Path) -> None:
     metadata = _metadata(2000)
+    metadata.storage_meta = StorageMeta(str(tmp_path / "iter_0"), "0" * 32)
+    metadata_bytes(metadata)
+    assert id(metadata) not in metadata_blob._templates  # a first pickle makes none
     metadata.storage_meta = StorageMeta(str(tmp_path / "iter_1"), "a" * 32)
     first = metadata_bytes(metadata)
     template = metadata_blob._templates[id(metadata)]
@@ -90,6 +94,8 @@ def test_a_changed_field_is_never_served_from_the_template(change: str) -> None:
     metadata = _metadata(50)
     metadata.storage_meta = StorageMeta("/ckpt/a", "1" * 32)
     metadata_bytes(metadata)
+    metadata_bytes(metadata)
+    assert id(metadata) in metadata_blob._templates
     if change == "storage_data":
         metadata.storage_data = {
             k: StorageInfo("__9_9.distcp", v.offset, v.length)
@@ -124,8 +130,10 @@ def test_templates_go_with_their_metadata() -> None:
         metadata = _metadata(5)
         metadata.storage_meta = StorageMeta(f"/ckpt/{i}", "s")
         metadata_bytes(metadata)
+        metadata_bytes(metadata)
         assert id(metadata) in metadata_blob._templates
     assert len(metadata_blob._templates) <= metadata_blob._MAX_TEMPLATES
+    assert len(metadata_blob._pickled_once) <= metadata_blob._MAX_TEMPLATES
     key = id(metadata)
     del metadata  # the last one: its template (as large as the file) is dropped with it
     assert key not in metadata_blob._templates
@@ -133,6 +141,7 @@ def test_templates_go_with_their_metadata() -> None:
     first: weakref.ref[Any] | None = None
     for i, metadata in enumerate(kept):
         metadata.storage_meta = StorageMeta(f"/ckpt/{i}", "s")
+        metadata_bytes(metadata)
         metadata_bytes(metadata)
         if first is None:
             first = weakref.ref(metadata_blob._templates[id(metadata)])

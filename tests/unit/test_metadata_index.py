@@ -463,8 +463,11 @@ def test_any_damage_to_an_index_is_our_error(data: Any) -> None:
 def test_a_reused_structure_reencodes_only_the_header(monkeypatch: pytest.MonkeyPatch) -> None:
     md = _two_tensor_metadata()
     md.storage_meta = StorageMeta(checkpoint_id="/first", save_id="s1")
-    first = encode_index(md, metadata_bytes(md))  # as the writer does: pickle, then index
-    md.storage_meta = StorageMeta(checkpoint_id="/next", save_id="s2")  # the next save
+    encode_index(md, metadata_bytes(md))  # as the writer does: pickle, then index
+    md.storage_meta = StorageMeta(checkpoint_id="/second", save_id="s2")  # the next save
+    # The second pickle of the object makes the template the encoded entries go with.
+    first = encode_index(md, metadata_bytes(md))
+    md.storage_meta = StorageMeta(checkpoint_id="/next", save_id="s3")
     metadata_bytes(md)
 
     def refuse(*args: Any) -> Any:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..storage.checksums import ALGORITHM, DataFileEntry, FileEntry, ItemChecksum
+from ..storage.checksums import ALGORITHM, DataFileEntry, FileEntry
 from ..storage.names import safe_name
 
 COMMIT_RECORD = "commit.json"
@@ -105,19 +105,22 @@ def _crcs(value: Any, what: str) -> list[int]:
     return [_int(v, what) for v in value]
 
 
-def _items(raw: Any, name: str) -> list[ItemChecksum]:
-    """A data file's items, checked in one pass (100,000 items parse in well under a
-    second). Checksum values need no check of their own: they are only compared."""
+def _data_file(size: int, raw: Any, name: str) -> DataFileEntry:
+    """A data file's entry from its items, checked in one pass (100,000 items parse in
+    well under a second). Checksum values need no check of their own: they are only
+    compared (one that does not fit 64 bits is refused)."""
     if not isinstance(raw, list):
         raise ValueError(f"{name}: items must be a list")
-    items = []
+    offsets, lengths, blocks = [], [], []
     for o, n, b in raw:
         if type(o) is not int or type(n) is not int or o < 0 or n < 0:
             raise ValueError(f"{name}: item offsets and lengths must be integers >= 0")
-        if type(b) is not list or not b:
-            raise ValueError(f"{name}: item checksums must be a non-empty list")
-        items.append(ItemChecksum(o, n, b))
-    return items
+        if type(b) is not list or not b or not all(type(v) is int for v in b):
+            raise ValueError(f"{name}: item checksums must be a non-empty list of integers")
+        offsets.append(o)
+        lengths.append(n)
+        blocks.append(b)
+    return DataFileEntry.from_columns(size, offsets, lengths, blocks)
 
 
 def _parse(raw: Any, source: str) -> CommitRecord:
@@ -149,9 +152,8 @@ def _parse(raw: Any, source: str) -> CommitRecord:
             _int(entry["size"], f"{name} size"), _crcs(entry["blocks"], f"{name} blocks")
         )
     for name, entry in dict(raw["data_files"]).items():
-        record.data_files[name_of(name)] = DataFileEntry(
-            _int(entry["size"], f"{name} size"), _items(entry["items"], str(name))
-        )
+        size = _int(entry["size"], f"{name} size")
+        record.data_files[name_of(name)] = _data_file(size, entry["items"], str(name))
     install = raw.get("install", {})
     if not isinstance(install, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in install.items()

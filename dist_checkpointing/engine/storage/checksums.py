@@ -19,15 +19,17 @@ block is read, so that a spare core hides the checksum.
 
 from __future__ import annotations
 
-import functools
+import bisect
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, BinaryIO
 
 import crc32c as _crc32c
+import numpy as np
 
 from .. import knobs
 from ..process import cores_per_rank, spare_core
@@ -122,20 +124,90 @@ class FileEntry:
         return cls(len(data), block_crcs(data, block_bytes))
 
 
-@dataclass
 class DataFileEntry:
-    """One data file: its size and the checksums of each item in it."""
+    """One data file: its size and the checksums of each item in it.
 
-    size: int
-    items: list[ItemChecksum] = field(default_factory=list)
+    The items are held as columns, not as an object each: their offsets (in order, a
+    list to bisect), lengths, and all their block CRCs in one array with each item's
+    first position. The commit record of 100,000 items takes about 6 MiB of them while
+    a load reads, instead of 30 MiB of objects, lists and a dict by offset.
+    :meth:`item_at` and :attr:`items` make :class:`ItemChecksum` objects on demand.
+    """
+
+    __slots__ = ("_crcs", "_lengths", "_offsets", "_starts", "size")
+
+    def __init__(self, size: int, items: Iterable[ItemChecksum] = ()) -> None:
+        self.size = size
+        rows = sorted(items, key=lambda it: it.offset)
+        self._columns([r.offset for r in rows], [r.length for r in rows], [r.blocks for r in rows])
+
+    @classmethod
+    def from_columns(
+        cls, size: int, offsets: list[int], lengths: list[int], blocks: list[list[int]]
+    ) -> DataFileEntry:
+        """The entry of items given as three lists (row ``i`` is one item), in any order.
+
+        Raises:
+            ValueError: the lists differ in length, or a value does not fit 64 bits.
+        """
+        entry = cls.__new__(cls)
+        entry.size = size
+        entry._columns(offsets, lengths, blocks)
+        return entry
+
+    def _columns(self, offsets: list[int], lengths: list[int], blocks: list[list[int]]) -> None:
+        if not len(offsets) == len(lengths) == len(blocks):
+            raise ValueError("item offsets, lengths and checksums differ in number")
+        try:
+            starts = np.zeros(len(blocks) + 1, dtype=np.int64)
+            np.cumsum([len(b) for b in blocks], out=starts[1:])
+            crcs = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(starts[-1]))
+            order = np.asarray(offsets, dtype=np.int64)
+            lengths_array = np.asarray(lengths, dtype=np.int64)
+        except OverflowError:
+            raise ValueError("an item offset, length or checksum does not fit 64 bits") from None
+        if len(order) > 1 and bool((order[1:] < order[:-1]).any()):  # put in offset order
+            rows = np.argsort(order, kind="stable")
+            offsets = [offsets[i] for i in rows.tolist()]
+            lengths_array = lengths_array[rows]
+            blocks = [blocks[i] for i in rows.tolist()]
+            self._columns(offsets, lengths_array.tolist(), blocks)
+            return
+        self._offsets = offsets
+        self._lengths = lengths_array
+        self._starts = starts
+        self._crcs = crcs
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def _item(self, row: int) -> ItemChecksum:
+        start, end = int(self._starts[row]), int(self._starts[row + 1])
+        return ItemChecksum(
+            self._offsets[row], int(self._lengths[row]), self._crcs[start:end].tolist()
+        )
+
+    @property
+    def items(self) -> list[ItemChecksum]:
+        """Every item, in offset order (new objects at each call)."""
+        return [self._item(row) for row in range(len(self._offsets))]
 
     def item_at(self, offset: int) -> ItemChecksum | None:
         """The item starting at byte ``offset`` (None if there is none)."""
-        return self._by_offset.get(offset)
+        row = bisect.bisect_left(self._offsets, offset)
+        if row == len(self._offsets) or self._offsets[row] != offset:
+            return None
+        return self._item(row)
 
-    @functools.cached_property
-    def _by_offset(self) -> dict[int, ItemChecksum]:
-        return {it.offset: it for it in self.items}
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DataFileEntry):
+            return NotImplemented
+        return self.size == other.size and self.items == other.items
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it was
+
+    def __repr__(self) -> str:
+        return f"DataFileEntry(size={self.size}, items={len(self)})"
 
 
 class BlockHasher:

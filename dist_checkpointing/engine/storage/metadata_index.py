@@ -45,13 +45,11 @@ import functools
 import json
 import logging
 from collections.abc import Iterable
-from itertools import repeat
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
@@ -60,30 +58,29 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..._torch_compat import StorageInfo
-from ...errors import CorruptCheckpointError
 from .. import knobs
 from ..process import gc_paused
 from ..safety.metadata_check import CheckTooCostly, check_metadata
 from .checksums import crc
 from .location import CheckpointDir
 from .metadata_blob import derived_from_structure
-from .metadata_parts import SharedParts, index_at
+from .metadata_index_reader import (
+    DTYPES,
+    FORMAT,
+    MAX_SHARED_SHAPES,
+    RESHAPE_KEY,
+    VERSION,
+    read_index,
+)
 
 logger = logging.getLogger(__name__)
 
 INDEX_NAME = ".metadata_index.json"
-FORMAT = "dist_checkpointing.torch_dist.metadata_index"
-VERSION = 1
-_RESHAPE_KEY = "nd_reformulated_orig_global_shape"  # Megatron-Core's mcore_data field
 _FIELDS = frozenset(
     {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}
 )
-_MAX_DIMS = 64
-_MAX_SHARED_SHAPES = 64  # distinct shapes a reader shares (see metadata_parts)
-
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
+_RESHAPE_KEY = RESHAPE_KEY
+_MAX_SHARED_SHAPES = MAX_SHARED_SHAPES
 _DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
 
 
@@ -258,7 +255,8 @@ def metadata_from_index(location: CheckpointDir, metadata_bytes: bytes) -> Metad
 
 def decode_index(data: bytes, metadata_bytes: bytes, source: str) -> Metadata | None:
     """The ``Metadata`` the index ``data`` describes, or None when it describes another
-    ``.metadata`` than ``metadata_bytes`` (then parse those).
+    ``.metadata`` than ``metadata_bytes`` (then parse those). Read a value at a time
+    (:mod:`.metadata_index_reader`).
 
     The JSON must have the right shape; the types and ranges of the values are then
     checked by :func:`..safety.metadata_check.check_metadata`, as for a parsed pickle
@@ -267,124 +265,7 @@ def decode_index(data: bytes, metadata_bytes: bytes, source: str) -> Metadata | 
     Raises:
         CorruptCheckpointError: naming ``source``, when the index is malformed.
     """
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{source}: not a JSON index ({str(exc)[:200]})") from None
-    reader = _Reader(source)
-    if type(doc) is not dict or doc.get("format") != FORMAT:
-        raise reader.fail("is not a torch_dist metadata index")
-    if doc.get("version") != VERSION or type(doc.get("version")) is not int:
-        raise reader.fail(f"has version {str(doc.get('version'))[:40]}, this library reads 1")
-    described = doc.get("metadata")
-    if type(described) is not dict or described != {
-        "size": len(metadata_bytes),
-        "crc32c": crc(metadata_bytes),
-    }:
-        logger.info("%s describes another .metadata than the one present: ignored", source)
-        return None
-    return reader.metadata(doc)
-
-
-class _Reader:
-    """Builds the objects; types and ranges are left to ``check_metadata`` where it
-    checks them anyway (keys, dims, byte counts), wrong shapes of JSON fail here."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        # Shapes and dtypes as one object each (the metadata of 100,000 tensors: about
-        # 45 MiB less), and each item's key the entry's own string.
-        self.parts = SharedParts(max_shapes=_MAX_SHARED_SHAPES)
-        self.keys: dict[str, str] = {}
-
-    def fail(self, what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{self.source}: {what}")
-
-    def metadata(self, doc: dict[str, Any]) -> Metadata:
-        entries, items, files = doc.get("entries"), doc.get("items"), doc.get("files")
-        if type(entries) is not list or type(items) is not list or type(files) is not list:
-            raise self.fail("entries, files and items must be lists")
-        if not all(type(f) is str for f in files):
-            raise self.fail("a file name is not a string")
-        version = doc.get("dcp_version")
-        if version is not None and type(version) is not str:
-            raise self.fail("dcp_version is not a string")
-        try:
-            state_dict_metadata = dict(map(self.entry, entries))
-            self.keys = {key: key for key in state_dict_metadata}
-            metadata = Metadata(
-                state_dict_metadata=state_dict_metadata,
-                storage_data=dict(map(self.item, items, repeat(files))),
-                storage_meta=self.storage_meta(doc.get("storage_meta")),
-                version=version,
-            )
-        except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
-            # The entry at fault is named by the checks below where they can; this is
-            # JSON of the wrong shape (a string for a list, an unknown dtype, ...).
-            raise self.fail(f"malformed entry ({type(e).__name__}: {str(e)[:200]})") from None
-        mcore = doc.get("mcore_data")
-        if mcore is not None:
-            metadata.mcore_data = self.mcore(mcore)  # type: ignore[attr-defined]
-        self.keys = {}
-        return metadata
-
-    # Keys are checked to be strings before they go into a dict: str hashes are
-    # randomized per process, ints (and MetadataIndex of ints) can be made to collide.
-
-    def entry(self, entry: list[Any]) -> tuple[str, Any]:
-        if type(entry[0]) is not str:
-            raise ValueError(f"a key is {type(entry[0]).__name__}, not a string")
-        if len(entry) == 1:
-            return entry[0], BytesStorageMetadata()
-        key, dtype, size, boxes = entry
-        n = len(size)
-        if n > _MAX_DIMS or type(boxes) is not list:
-            raise ValueError(f"tensor {str(key)[:200]!r}: malformed size or chunks")
-        shape = self.parts.size
-        chunks = [ChunkStorageMetadata(shape(box[:n]), shape(box[n:])) for box in boxes]
-        properties = self.parts.properties(DTYPES[dtype])
-        return key, TensorStorageMetadata(properties, shape(size), chunks)
-
-    def item(self, item: list[Any], files: list[str]) -> tuple[MetadataIndex, Any]:
-        fqn, offset, index, file, start, length = item
-        if type(fqn) is not str:
-            raise ValueError(f"an item's key is {type(fqn).__name__}, not a string")
-        if type(file) is not int or file < 0 or (index is not None and type(index) is not int):
-            raise ValueError(f"storage of {str(fqn)[:200]!r}: malformed file or index")
-        info = StorageInfo(files[file], start, length)
-        shared = None if offset is None else self.parts.size(offset)
-        return index_at(self.keys.get(fqn, fqn), shared, index), info
-
-    def storage_meta(self, meta: object) -> StorageMeta | None:
-        if meta is None:
-            return None
-        if type(meta) is not dict:
-            raise self.fail("storage_meta is not an object")
-        ids = [meta.get(name) for name in ("checkpoint_id", "save_id", "load_id")]
-        modules = meta.get("modules")
-        if type(modules) is not list or not all(
-            type(v) is str for v in [*ids, *modules] if v is not None
-        ):
-            raise self.fail("storage_meta holds something other than strings")
-        return StorageMeta(checkpoint_id=ids[0], save_id=ids[1], load_id=ids[2], modules=modules)
-
-    def mcore(self, mcore: object) -> dict[str, dict[str, tuple[int, ...]]]:
-        if type(mcore) is not dict:
-            raise self.fail("mcore_data is not an object")
-        out: dict[str, dict[str, tuple[int, ...]]] = {}
-        for key, extra in mcore.items():
-            shape = extra.get(_RESHAPE_KEY) if type(extra) is dict else None
-            if (
-                type(extra) is not dict
-                or set(extra) - {_RESHAPE_KEY}
-                or not (
-                    shape is None or (type(shape) is list and all(type(d) is int for d in shape))
-                )
-            ):
-                raise self.fail(f"mcore_data[{key[:200]!r}] is malformed")
-            shared: str = self.keys.get(key) or key  # the entry's own string where it has one
-            out[shared] = {} if shape is None else {_RESHAPE_KEY: tuple(shape)}
-        return out
+    return read_index(data, metadata_bytes, source)
 
 
 __all__ = [

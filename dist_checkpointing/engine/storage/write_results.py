@@ -50,17 +50,13 @@ ItemLocation = tuple[str, int, int, Any]
 
 def data_files_from_records(records: Iterable[ItemLocation]) -> dict[str, DataFileEntry]:
     """:func:`data_file_checksums` from plain ``(file, offset, length, checksum)`` records."""
-    files: dict[str, DataFileEntry] = {}
+    sizes: dict[str, int] = {}
+    items: dict[str, list[Any]] = {}
     for path, offset, length, checksum in records:
-        entry = files.get(path)
-        if entry is None:
-            entry = files[path] = DataFileEntry(0)
-        entry.size = max(entry.size, offset + length)
+        sizes[path] = max(sizes.get(path, 0), offset + length)
         if checksum is not None:
-            entry.items.append(checksum)
-    for entry in files.values():
-        entry.items.sort(key=lambda it: it.offset)
-    return files
+            items.setdefault(path, []).append(checksum)
+    return {path: DataFileEntry(size, items.pop(path, ())) for path, size in sizes.items()}
 
 
 def storage_data_from_results(results: Sequence[Sequence[WriteResult]]) -> dict[Any, Any]:

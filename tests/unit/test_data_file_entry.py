@@ -1,0 +1,75 @@
+"""A data file's item checksums held as columns (engine/storage/checksums.DataFileEntry)
+and parsed from a commit record (engine/checkpoint/record).
+
+Whatever order the items come in, every item is found at its offset with its length
+and block CRCs, nothing is found elsewhere, and a record that round-trips through its
+JSON gives the same entries; values that do not fit are refused as a corrupt record
+naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dist_checkpointing.engine.checkpoint.record import CommitRecord
+from dist_checkpointing.engine.storage.checksums import DataFileEntry, ItemChecksum
+from dist_checkpointing.errors import CorruptCheckpointError
+
+ITEMS = st.lists(
+    st.tuples(
+        st.integers(0, 2**62),
+        st.integers(0, 2**40),
+        st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=4),
+    ),
+    max_size=40,
+    unique_by=lambda t: t[0],
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=ITEMS, probe=st.integers(0, 2**62))
+def test_every_item_is_found_at_its_offset_in_any_order(
+    items: list[tuple[int, int, list[int]]], probe: int
+) -> None:
+    objects = [ItemChecksum(o, n, list(b)) for o, n, b in items]
+    entry = DataFileEntry(7, objects)
+    by_offset = {it.offset: it for it in objects}
+    assert entry.items == sorted(objects, key=lambda it: it.offset)
+    for it in objects:
+        assert entry.item_at(it.offset) == it
+    assert entry.item_at(probe) == by_offset.get(probe)
+    columns = DataFileEntry.from_columns(7, *map(list, zip(*items))) if items else entry
+    assert columns == entry and len(columns) == len(objects)
+    assert DataFileEntry(8, objects) != entry
+
+
+def _record(items: list[list[Any]]) -> bytes:
+    record = CommitRecord(save_id="a" * 32, world_size=1, block_bytes=1 << 20)
+    record.data_files["__0_0.distcp"] = DataFileEntry(100, [ItemChecksum(0, 10, [5])])
+    body = json.loads(record.to_bytes())
+    body["data_files"]["__0_0.distcp"]["items"] = items
+    return json.dumps(body).encode()
+
+
+def test_a_record_round_trips_its_item_checksums() -> None:
+    items = [[300, 12, [1, 2]], [0, 100, [2**32 - 1]], [100, 200, [7]]]  # out of order
+    record = CommitRecord.from_bytes(_record(items), "rec")
+    entry = record.data_files["__0_0.distcp"]
+    assert entry.items == [ItemChecksum(o, n, b) for o, n, b in sorted(items)]
+    again = CommitRecord.from_bytes(record.to_bytes(), "rec")
+    assert again.data_files == record.data_files
+
+
+@pytest.mark.parametrize(
+    "items",
+    [[[0, 10, [2**64]]], [[2**63, 10, [1]]], [[0, 10, ["x"]]], [[0, 10, []]], [[-1, 10, [1]]]],
+    ids=["checksum over 64 bits", "offset over 63 bits", "checksum text", "none", "negative"],
+)
+def test_item_values_that_do_not_fit_are_a_corrupt_record(items: list[list[Any]]) -> None:
+    with pytest.raises(CorruptCheckpointError, match="rec"):
+        CommitRecord.from_bytes(_record(items), "rec")
