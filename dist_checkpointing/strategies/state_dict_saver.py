@@ -422,12 +422,11 @@ def save_state_dict_async_finalize(
     pending = structure is not None and structure.metadata_pending
 
     def collect() -> tuple[list[_ResultRecord], Any]:
-        results = storage_writer.retrieve_write_results()  # type: ignore[attr-defined]
-        records = planner.plan_records(structure.local_plan) if pending else None  # type: ignore[union-attr]
-        compact = _compact_results(results)
+        compact = _compact_results(storage_writer.retrieve_write_results())  # type: ignore[attr-defined]
         release = getattr(storage_writer, "release_write_results", None)
         if release is not None:  # the compact form is all that is used from here on
-            release()
+            release()  # (before the plan records are made: their memory is reused)
+        records = planner.plan_records(structure.local_plan) if pending else None  # type: ignore[union-attr]
         return compact, records
 
     collected, error = _attempt(collect)
