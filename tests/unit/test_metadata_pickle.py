@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dist_checkpointing._torch_compat import StorageInfo
 from dist_checkpointing.engine.safety.metadata import load_metadata
-from dist_checkpointing.engine.storage import metadata_pickle
+from dist_checkpointing.engine.storage import metadata_pickle, pickle_writer
 from dist_checkpointing.engine.storage.metadata_parts import SharedParts, index_at
 
 
@@ -216,6 +216,6 @@ def test_other_classes_get_pickle() -> None:
     "value", [0, 255, 256, 65535, 65536, -1, -(2**31), 2**31, -(2**63), 2**2000]
 )
 def test_int_ops_read_back(value: int) -> None:
-    blob = b"\x80\x04" + metadata_pickle.int_op(value) + b"."
+    blob = b"\x80\x04" + pickle_writer.int_op(value) + b"."
     assert pickle.loads(blob) == value
     assert len(blob) <= len(pickle.dumps(value, protocol=4))

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import metadata_pickle
-from .metadata_pickle import PROTOCOL, str_op
+from .pickle_writer import PROTOCOL, str_op
 
 _HEADER = b"\x80\x04"  # PROTO 4
 _FRAME = 0x95
