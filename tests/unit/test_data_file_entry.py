@@ -48,7 +48,7 @@ def test_every_item_is_found_at_its_offset_in_any_order(
     assert DataFileEntry(8, objects) != entry
 
 
-def _record(items: list[list[Any]]) -> bytes:
+def _record(items: Any) -> bytes:
     record = CommitRecord(save_id="a" * 32, world_size=1, block_bytes=1 << 20)
     record.data_files["__0_0.distcp"] = DataFileEntry(100, [ItemChecksum(0, 10, [5])])
     body = json.loads(record.to_bytes())
@@ -56,20 +56,40 @@ def _record(items: list[list[Any]]) -> bytes:
     return json.dumps(body).encode()
 
 
-def test_a_record_round_trips_its_item_checksums() -> None:
+@pytest.mark.parametrize("indent", [None, 2], ids=["compact", "indented"])
+def test_a_record_round_trips_its_item_checksums(indent: int | None) -> None:
+    """The items are read one at a time into columns (whatever the whitespace)."""
     items = [[300, 12, [1, 2]], [0, 100, [2**32 - 1]], [100, 200, [7]]]  # out of order
-    record = CommitRecord.from_bytes(_record(items), "rec")
+    data = json.dumps(json.loads(_record(items)), indent=indent).encode()
+    record = CommitRecord.from_bytes(data, "rec")
     entry = record.data_files["__0_0.distcp"]
     assert entry.items == [ItemChecksum(o, n, b) for o, n, b in sorted(items)]
     again = CommitRecord.from_bytes(record.to_bytes(), "rec")
     assert again.data_files == record.data_files
+    assert again == CommitRecord.from_bytes(json.dumps(json.loads(data)).encode(), "rec")
 
 
 @pytest.mark.parametrize(
     "items",
-    [[[0, 10, [2**64]]], [[2**63, 10, [1]]], [[0, 10, ["x"]]], [[0, 10, []]], [[-1, 10, [1]]]],
-    ids=["checksum over 64 bits", "offset over 63 bits", "checksum text", "none", "negative"],
+    [
+        [[0, 10, [2**64]]],
+        [[2**63, 10, [1]]],
+        [[0, 10, ["x"]]],
+        [[0, 10, []]],
+        [[-1, 10, [1]]],
+        [[0, 10]],
+        {"0": [0, 10, [1]]},
+    ],
+    ids=[
+        "checksum over 64 bits",
+        "offset over 63 bits",
+        "checksum text",
+        "none",
+        "negative",
+        "no checksums",
+        "an object, not a list",
+    ],
 )
-def test_item_values_that_do_not_fit_are_a_corrupt_record(items: list[list[Any]]) -> None:
+def test_item_values_that_do_not_fit_are_a_corrupt_record(items: Any) -> None:
     with pytest.raises(CorruptCheckpointError, match="rec"):
         CommitRecord.from_bytes(_record(items), "rec")

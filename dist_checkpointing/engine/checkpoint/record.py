@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..storage.checksums import ALGORITHM, DataFileEntry, FileEntry
+from ..storage.json_stream import JsonCursor, json_text
 from ..storage.names import safe_name
 
 COMMIT_RECORD = "commit.json"
@@ -85,8 +87,7 @@ class CommitRecord:
         if len(data) > MAX_RECORD_BYTES:
             raise CorruptCheckpointError(f"{source}: commit record of {len(data)} bytes refused")
         try:
-            raw = json.loads(data)
-            return _parse(raw, source)
+            return _parse(_read(json_text(data)), source)
         except UnsafeCheckpointError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
@@ -105,22 +106,59 @@ def _crcs(value: Any, what: str) -> list[int]:
     return [_int(v, what) for v in value]
 
 
+def _read(text: str) -> Any:
+    """``json.loads(text)``, except that the items of each data file are read one at a
+    time into columns (:class:`_Columns`): a record of 100,000 items otherwise makes
+    about 30 MiB of lists and ints that the load drops right away."""
+    cursor = JsonCursor(text)
+    if cursor.peek() != "{":
+        return json.loads(text)
+    raw: dict[str, Any] = {}
+    for key in cursor.members():
+        if key != "data_files" or cursor.peek() != "{":
+            raw[key] = cursor.value()
+            continue
+        files: dict[str, Any] = {}
+        for name in cursor.members():
+            if cursor.peek() != "{":
+                files[name] = cursor.value()
+                continue
+            entry = files[name] = {}
+            for field_name in cursor.members():
+                is_list = field_name == "items" and cursor.peek() == "["
+                entry[field_name] = _Columns(cursor.elements(), name) if is_list else cursor.value()
+        raw[key] = files
+    cursor.end()
+    return raw
+
+
+class _Columns:
+    """A data file's items, checked in one pass (100,000 items parse in well under a
+    second), as lists of offsets, lengths and block checksums. Checksum values need no
+    check of their own: they are only compared (one that does not fit 64 bits is
+    refused when the entry is made)."""
+
+    def __init__(self, items: Iterable[Any], name: str) -> None:
+        self.offsets: list[int] = []
+        self.lengths: list[int] = []
+        self.blocks: list[list[int]] = []
+        for o, n, b in items:
+            if type(o) is not int or type(n) is not int or o < 0 or n < 0:
+                raise ValueError(f"{name}: item offsets and lengths must be integers >= 0")
+            if type(b) is not list or not b or not all(type(v) is int for v in b):
+                raise ValueError(f"{name}: item checksums must be a non-empty list of integers")
+            self.offsets.append(o)
+            self.lengths.append(n)
+            self.blocks.append(b)
+
+
 def _data_file(size: int, raw: Any, name: str) -> DataFileEntry:
-    """A data file's entry from its items, checked in one pass (100,000 items parse in
-    well under a second). Checksum values need no check of their own: they are only
-    compared (one that does not fit 64 bits is refused)."""
-    if not isinstance(raw, list):
+    """A data file's entry from its items (a list as JSON has it, or :class:`_Columns`)."""
+    if isinstance(raw, list):
+        raw = _Columns(raw, name)
+    if not isinstance(raw, _Columns):
         raise ValueError(f"{name}: items must be a list")
-    offsets, lengths, blocks = [], [], []
-    for o, n, b in raw:
-        if type(o) is not int or type(n) is not int or o < 0 or n < 0:
-            raise ValueError(f"{name}: item offsets and lengths must be integers >= 0")
-        if type(b) is not list or not b or not all(type(v) is int for v in b):
-            raise ValueError(f"{name}: item checksums must be a non-empty list of integers")
-        offsets.append(o)
-        lengths.append(n)
-        blocks.append(b)
-    return DataFileEntry.from_columns(size, offsets, lengths, blocks)
+    return DataFileEntry.from_columns(size, raw.offsets, raw.lengths, raw.blocks)
 
 
 def _parse(raw: Any, source: str) -> CommitRecord:
