@@ -40,6 +40,7 @@ from dist_checkpointing.engine.storage.metadata_index import (
     decode_index,
     encode_index,
 )
+from dist_checkpointing.engine.storage.metadata_index_reader import MAX_SHARED_SHAPES
 from dist_checkpointing.engine.storage.reader import FileSystemReader
 from dist_checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
 from tests.support import crafted_pickles as cp
@@ -538,7 +539,7 @@ def test_decoded_metadata_shares_equal_shapes_dtypes_and_keys() -> None:
 
 
 def test_more_distinct_shapes_than_are_shared_decode_exactly() -> None:
-    md = _many(3 * index_module._MAX_SHARED_SHAPES, distinct=True)
+    md = _many(3 * MAX_SHARED_SHAPES, distinct=True)
     got = decode_index(encode_index(md, BLOB) or b"", BLOB, "idx")
     assert got is not None
     _same(got, md)

@@ -153,9 +153,7 @@ class _Columns:
 
 
 def _data_file(size: int, raw: Any, name: str) -> DataFileEntry:
-    """A data file's entry from its items (a list as JSON has it, or :class:`_Columns`)."""
-    if isinstance(raw, list):
-        raw = _Columns(raw, name)
+    """A data file's entry from its items (read into :class:`_Columns` by :func:`_read`)."""
     if not isinstance(raw, _Columns):
         raise ValueError(f"{name}: items must be a list")
     return DataFileEntry.from_columns(size, raw.offsets, raw.lengths, raw.blocks)

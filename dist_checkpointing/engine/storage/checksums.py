@@ -138,7 +138,7 @@ class DataFileEntry:
 
     def __init__(self, size: int, items: Iterable[ItemChecksum] = ()) -> None:
         self.size = size
-        rows = sorted(items, key=lambda it: it.offset)
+        rows = list(items)
         self._columns([r.offset for r in rows], [r.length for r in rows], [r.blocks for r in rows])
 
     @classmethod
@@ -159,24 +159,20 @@ class DataFileEntry:
         if not len(offsets) == len(lengths) == len(blocks):
             raise ValueError("item offsets, lengths and checksums differ in number")
         try:
+            order = np.asarray(offsets, dtype=np.int64)
+            if len(order) > 1 and bool((order[1:] < order[:-1]).any()):  # put in offset order
+                rows = np.argsort(order, kind="stable").tolist()
+                offsets = [offsets[i] for i in rows]
+                lengths = [lengths[i] for i in rows]
+                blocks = [blocks[i] for i in rows]
             starts = np.zeros(len(blocks) + 1, dtype=np.int64)
             np.cumsum([len(b) for b in blocks], out=starts[1:])
-            crcs = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(starts[-1]))
-            order = np.asarray(offsets, dtype=np.int64)
-            lengths_array = np.asarray(lengths, dtype=np.int64)
+            self._crcs = np.fromiter(chain.from_iterable(blocks), np.int64, int(starts[-1]))
+            self._lengths = np.asarray(lengths, dtype=np.int64)
         except OverflowError:
             raise ValueError("an item offset, length or checksum does not fit 64 bits") from None
-        if len(order) > 1 and bool((order[1:] < order[:-1]).any()):  # put in offset order
-            rows = np.argsort(order, kind="stable")
-            offsets = [offsets[i] for i in rows.tolist()]
-            lengths_array = lengths_array[rows]
-            blocks = [blocks[i] for i in rows.tolist()]
-            self._columns(offsets, lengths_array.tolist(), blocks)
-            return
         self._offsets = offsets
-        self._lengths = lengths_array
         self._starts = starts
-        self._crcs = crcs
 
     def __len__(self) -> int:
         return len(self._offsets)

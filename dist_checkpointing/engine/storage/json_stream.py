@@ -10,13 +10,8 @@ accepts (the same scanner, whitespace as JSON defines it, nothing after the docu
 
 Example:
     >>> cursor = JsonCursor('{"a": [1, [2]], "b": {"c": null}}')
-    >>> for key in cursor.members():
-    ...     if key == "a":
-    ...         print(key, list(cursor.elements()))
-    ...     else:
-    ...         print(key, cursor.value())
-    a [1, [2]]
-    b {'c': None}
+    >>> [(k, list(cursor.elements()) if k == "a" else cursor.value()) for k in cursor.members()]
+    [('a', [1, [2]]), ('b', {'c': None})]
     >>> cursor.end()
 """
 

@@ -67,7 +67,6 @@ from .metadata_blob import derived_from_structure
 from .metadata_index_reader import (
     DTYPES,
     FORMAT,
-    MAX_SHARED_SHAPES,
     RESHAPE_KEY,
     VERSION,
     read_index,
@@ -79,8 +78,6 @@ INDEX_NAME = ".metadata_index.json"
 _FIELDS = frozenset(
     {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}
 )
-_RESHAPE_KEY = RESHAPE_KEY
-_MAX_SHARED_SHAPES = MAX_SHARED_SHAPES
 _DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
 
 
@@ -209,13 +206,13 @@ def _mcore(mcore: object, present: bool) -> dict[str, Any] | None:
         raise _Inexpressible(f"mcore_data of type {type(mcore).__name__}")
     out: dict[str, Any] = {}
     for key, extra in mcore.items():
-        if type(extra) is not dict or set(extra) - {_RESHAPE_KEY}:
+        if type(extra) is not dict or set(extra) - {RESHAPE_KEY}:
             raise _Inexpressible(f"mcore_data[{key!r}] = {extra!r}")
-        shape = extra.get(_RESHAPE_KEY)
+        shape = extra.get(RESHAPE_KEY)
         if shape is None:
             out[key] = {}
         elif type(shape) is tuple and all(type(d) is int for d in shape):
-            out[key] = {_RESHAPE_KEY: list(shape)}
+            out[key] = {RESHAPE_KEY: list(shape)}
         else:
             raise _Inexpressible(f"mcore_data[{key!r}] = {extra!r}")
     return out

@@ -103,27 +103,14 @@ _SUPPORTED = all(map(_default_pickling, _PLAIN)) and _storage_info_pickling() is
 
 
 def _chunk(w: PickleWriter, chunk: ChunkStorageMetadata) -> bytes:
-    return (
-        w.head(ChunkStorageMetadata, "offsets")
-        + w.value(chunk.offsets)
-        + w.name("sizes")
-        + w.value(chunk.sizes)
-        + OBJ_END
-    )
+    fields = (("offsets", w.value(chunk.offsets)), ("sizes", w.value(chunk.sizes)))
+    return w.instance(ChunkStorageMetadata, fields)
 
 
 def _tensor(w: PickleWriter, md: TensorStorageMetadata) -> bytes:
-    chunks = [_chunk(w, c) if type(c) is ChunkStorageMetadata else w.value(c) for c in md.chunks]
-    return (
-        w.head(TensorStorageMetadata, "properties")
-        + w.pickled(md.properties)
-        + w.name("size")
-        + w.value(md.size)
-        + w.name("chunks")
-        + EMPTY_LIST
-        + w.items(chunks)
-        + OBJ_END
-    )
+    chunks = EMPTY_LIST + w.items([w.value(c) for c in md.chunks])
+    fields = (("properties", w.pickled(md.properties)), ("size", w.value(md.size)))
+    return w.instance(TensorStorageMetadata, (*fields, ("chunks", chunks)))
 
 
 def _bytes_entry(w: PickleWriter, md: BytesStorageMetadata) -> bytes:
@@ -132,31 +119,25 @@ def _bytes_entry(w: PickleWriter, md: BytesStorageMetadata) -> bytes:
 
 def _index(w: PickleWriter, index: MetadataIndex) -> bytes:
     # In the order its __init__ sets them; no offset attribute where it is None.
-    at = b"" if index.offset is None else w.name("offset") + w.value(index.offset)
-    head = w.head(MetadataIndex, "fqn")
-    return head + w.value(index.fqn) + w.name("index") + w.value(index.index) + at + OBJ_END
+    fields = [("fqn", w.value(index.fqn)), ("index", w.value(index.index))]
+    if index.offset is not None:
+        fields.append(("offset", w.value(index.offset)))
+    return w.instance(MetadataIndex, fields)
 
 
 def _storage_info(w: PickleWriter, info: Any) -> bytes:
-    ops = [w.cls(StorageInfo), NEWOBJ_NO_ARGS, EMPTY_DICT, MARK]
+    fields = []
     for key in _STORAGE_INFO_FIELDS:
         value = getattr(info, key)
         if value is None and _STORAGE_INFO_DROPS_NONE:
             continue
-        ops.append(w.name(key))
-        if key == "relative_path" and type(value) is str:
-            ops.append(w.path(value))
-        else:
-            ops.append(w.value(value))
-    ops.append(OBJ_END)
-    return b"".join(ops)
+        ops = w.path(value) if key == "relative_path" and type(value) is str else w.value(value)
+        fields.append((key, ops))
+    return w.instance(StorageInfo, fields)
 
 
 def _storage_meta(w: PickleWriter, meta: StorageMeta) -> bytes:
-    ops = [w.cls(StorageMeta), NEWOBJ_NO_ARGS, EMPTY_DICT, MARK]
-    for key in _names(StorageMeta):
-        ops += (w.name(key), w.value(getattr(meta, key)))
-    return b"".join([*ops, OBJ_END])
+    return w.instance(StorageMeta, [(k, w.value(getattr(meta, k))) for k in _names(StorageMeta)])
 
 
 _WRITERS: dict[type, Callable[[PickleWriter, Any], bytes]] = {
@@ -195,29 +176,28 @@ def _all_kept(w: PickleWriter, md: TensorStorageMetadata, chunk: Any) -> bool:
 
 
 def _storage(w: PickleWriter, storage: dict[Any, Any]) -> Any:
-    """The ops of each (index, storage info) of ``storage_data``: the usual item (a
-    string key, a shared or no offset, no transforms) from a few precomputed pieces."""
+    """The ops of each (index, storage info) of ``storage_data``. The usual item (a
+    string key, an offset or none already written, no transforms, a file already
+    named) is what :func:`_index` and :func:`_storage_info` make of it, joined from a
+    few precomputed pieces: this loop runs once per stored chunk."""
     index_head, offset, hint = w.head(MetadataIndex, "fqn"), w.name("offset"), w.name("index")
     info_head, length = w.head(StorageInfo, "relative_path"), w.name("length")
-    usual = _STORAGE_INFO_FIELDS[:3] == ("relative_path", "offset", "length")
-    extra = _STORAGE_INFO_FIELDS[3:] if _STORAGE_INFO_DROPS_NONE else ("-",)
-    shapes, paths = w.refs, w.paths
+    extra = _STORAGE_INFO_FIELDS[3:]
+    refs = w.refs
     for index, info in storage.items():
-        at, path = index.offset, getattr(info, "relative_path", None)
-        at_op = b"" if at is None else shapes.get(id(at))
-        path_op = paths.get(path) if type(path) is str else None
+        at = getattr(index, "offset", None)
+        at_op = b"" if at is None else refs.get(id(at))
+        path_op = refs.get(("path", getattr(info, "relative_path", None)))
         if (
             type(index) is not MetadataIndex
             or type(info) is not StorageInfo
             or type(index.fqn) is not str
             or at_op is None
             or path_op is None
-            or not usual
-            or any(getattr(info, k, "-") is not None for k in extra)
+            or not _STORAGE_INFO_DROPS_NONE
+            or any(getattr(info, k) is not None for k in extra)
         ):
-            if type(info) is StorageInfo and type(path) is str:
-                w.path(path)
-            yield w.value(index) + w.value(info)
+            yield w.value(index) + w.value(info)  # (writes the offset and file name)
             continue
         hint_op = NONE if index.index is None else w.value(index.index)
         yield b"".join(

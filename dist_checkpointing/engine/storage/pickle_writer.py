@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -85,7 +85,6 @@ class PickleWriter:
         self.memo_count = 0
         self.refs: dict[Any, bytes] = {}  # shared value's key -> the op that pushes it
         self.keep: list[Any] = []  # objects whose ids are keys of refs
-        self.paths: dict[str, bytes] = {}  # file names (a few, each used by many items)
 
     # -- output
 
@@ -134,32 +133,34 @@ class PickleWriter:
 
     def path(self, path: str) -> bytes:
         """A file name: one string, however many items lie in the file."""
-        got = self.paths.get(path)
-        if got is None:
-            got = self.paths[path] = self.ref(("path", path), lambda: self.emit(str_op(path)))
-        return got
+        return self.ref(("path", path), lambda: self.emit(str_op(path)))
 
     def size(self, size: torch.Size) -> bytes:
         """A ``torch.Size``: one memo entry per object (shared shapes stay shared)."""
-        got = self.refs.get(id(size))
-        if got is None:
-            reduce = self.cls(torch.Size)  # before the REDUCE's own bytes
-            got = self.ref(id(size), lambda: self.emit(reduce + ints(size) + b"\x85" + _REDUCE))
-            self.keep.append(size)
-        return got
+        return self._object(size, lambda: self.cls(torch.Size) + ints(size) + b"\x85" + _REDUCE)
 
     def pickled(self, value: Any) -> bytes:
         """``value`` as pickle writes it, without a memo (so no memo indices to clash
         with this writer's), shared when the same object comes again."""
-        got = self.refs.get(id(value))
+        return self._object(value, lambda: _pickle_body(value))
+
+    def _object(self, obj: Any, ops: Callable[[], bytes]) -> bytes:
+        """The op that pushes ``obj`` (by identity), written by ``ops`` the first time."""
+        got = self.refs.get(id(obj))
         if got is None:
-            got = self.ref(id(value), lambda: self.emit(_pickle_body(value)))
-            self.keep.append(value)
+            got = self.ref(id(obj), lambda: self.emit(ops()))
+            self.keep.append(obj)  # alive while its id is a key
         return got
 
     def head(self, cls: type, first: str) -> bytes:
         """The ops that make an instance of ``cls`` and open its state at ``first``."""
         return self.cls(cls) + NEWOBJ_NO_ARGS + EMPTY_DICT + MARK + self.name(first)
+
+    def instance(self, cls: type, fields: Iterable[tuple[str, bytes]]) -> bytes:
+        """The ops that make an instance of ``cls`` with ``fields`` (name, ops of the
+        value) as its state: NEWOBJ of no arguments, then BUILD."""
+        state = b"".join(self.name(key) + ops for key, ops in fields)
+        return self.cls(cls) + NEWOBJ_NO_ARGS + EMPTY_DICT + MARK + state + OBJ_END
 
     # -- values
 
