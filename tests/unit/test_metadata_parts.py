@@ -81,6 +81,33 @@ def test_parts_are_the_same_object_for_equal_values_only() -> None:
     assert parts.properties(torch.int8) == TensorProperties(dtype=torch.int8)
 
 
+def test_chunks_are_shared_where_both_shapes_are() -> None:
+    parts = SharedParts()
+    a = parts.chunk([0, 0], (4, 8))
+    assert a is parts.chunk((0, 0), torch.Size([4, 8]))
+    assert a == ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 8]))
+    assert a.offsets is parts.size((0, 0)) and a.sizes is parts.size((4, 8))
+    assert parts.chunk((4, 0), (4, 8)) is not a and parts.chunk((4, 0), (4, 8)).sizes is a.sizes
+    assert parts.chunk((0, 0), (8, 4)) is not a
+
+    # Bounded (shapes from a file): past the limit, shapes and chunks are new objects.
+    bounded = SharedParts(max_shapes=2)
+    first = bounded.chunk((0,), (5,))
+    assert bounded.chunk((0,), (5,)) is first
+    other = bounded.chunk((0,), (6,))  # (6,) is the third shape: not shared
+    assert other == ChunkStorageMetadata(torch.Size([0]), torch.Size([6]))
+    assert bounded.chunk((0,), (6,)) is not other and other.offsets is first.offsets
+
+
+def test_built_metadata_shares_equal_chunks() -> None:
+    world = 2
+    built = MCoreSavePlanner.metadata_from_records([(_records(r, world), {}) for r in range(world)])
+    md = built.state_dict_metadata
+    assert md["w0"].chunks[0] is md["w5"].chunks[0]  # rank 0's block of each weight
+    assert md["w0"].chunks[1] is md["w5"].chunks[1] and md["w0"].chunks[0] is not md["w0"].chunks[1]
+    assert md["b0"].chunks[0] is md["b1"].chunks[0]
+
+
 def test_storage_data_shares_equal_offsets_and_pickles_to_the_same_values() -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 

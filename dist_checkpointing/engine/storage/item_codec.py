@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
 )
@@ -74,8 +73,9 @@ def decode_tensor_items(records: Sequence[ItemRecord]) -> list[WriteItem]:
     out = []
     for fqn, offset, hint, offsets, sizes, dtype, size in records:
         index = index_at(fqn, None if offset is None else shape(offset), hint)
-        chunk = ChunkStorageMetadata(offsets=shape(offsets), sizes=shape(sizes))
-        data = TensorWriteData(chunk=chunk, properties=parts.properties(dtype), size=shape(size))
+        data = TensorWriteData(
+            chunk=parts.chunk(offsets, sizes), properties=parts.properties(dtype), size=shape(size)
+        )
         out.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
     return out
 

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
@@ -210,10 +209,10 @@ class _Reader:
         n = len(size)
         if n > MAX_DIMS or type(boxes) is not list:
             raise ValueError(f"tensor {str(key)[:200]!r}: malformed size or chunks")
-        shape = self.parts.size
-        chunks = [ChunkStorageMetadata(shape(box[:n]), shape(box[n:])) for box in boxes]
+        chunk = self.parts.chunk
+        chunks = [chunk(box[:n], box[n:]) for box in boxes]
         properties = self.parts.properties(DTYPES[dtype])
-        return key, TensorStorageMetadata(properties, shape(size), chunks)
+        return key, TensorStorageMetadata(properties, self.parts.size(size), chunks)
 
     def item(self, item: list[Any], files: list[str]) -> tuple[MetadataIndex, Any]:
         fqn, offset, index, file, start, length = item

@@ -44,7 +44,6 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
@@ -206,18 +205,18 @@ class MCoreSavePlanner(DefaultSavePlanner):
             raise ShapeMismatchError(f"ShardedTensor '{key}' has no data to save")
         # Shapes and properties shared between items (immutable): 100,000 items hold
         # about 30 MiB less while they are written.
-        shape = parts.size
-        sizes, offsets = shape(chunk.sizes), shape(chunk.offsets)
-        index = index_at(key, offsets)
+        shared = parts.chunk(chunk.offsets, chunk.sizes)
+        index = index_at(key, shared.offsets)
         # A new view per item costs microseconds: reshape only when the shape differs.
+        sizes = shared.sizes
         self._data[index] = data if data.shape == sizes else data.reshape(sizes)
         return WriteItem(
             index=index,
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                chunk=shared,
                 properties=parts.properties(sh.dtype),
-                size=shape(chunk.global_shape),
+                size=parts.size(chunk.global_shape),
             ),
         )
 
@@ -291,7 +290,7 @@ class MCoreSavePlanner(DefaultSavePlanner):
                 tmd = md.get(fqn)
                 if tmd is None:
                     tmd = md[fqn] = TensorStorageMetadata(parts.properties(dtype), shape(size), [])
-                tmd.chunks.append(ChunkStorageMetadata(shape(offsets), shape(sizes)))
+                tmd.chunks.append(parts.chunk(offsets, sizes))
             for key, value in planner_data.items():
                 if value or key not in mcore_data:
                     mcore_data[key] = value
@@ -413,14 +412,14 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
     # ------------------------------------------------------------------ reading
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        dest = self.layout.target(read_item).dest
+        dest = self.layout.dest(read_item)
         lengths = read_item.lengths
         if dest.shape == lengths and not any(read_item.dest_offsets):
             return dest  # the whole destination: no new view (microseconds per item)
         return dest[box_slices(tuple(read_item.dest_offsets), tuple(lengths))]
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        staging = self.layout.target(read_item).staging
+        staging = self.layout.staging(read_item)
         if staging is None:
             return
         staging.pending -= 1

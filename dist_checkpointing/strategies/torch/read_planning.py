@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -55,12 +55,9 @@ class _Staging:
     on_done: list[Callable[[], None]] = field(default_factory=list)
 
 
-@dataclass(eq=False)
-class _Target:
-    """Where the read items of one (key, chunk list index) land."""
-
-    dest: torch.Tensor
-    staging: _Staging | None = None
+# Where the read items of one (key, chunk list index) land: the destination itself
+# (most reads: no object of our own per tensor), or a staging buffer.
+_Target: TypeAlias = torch.Tensor | _Staging
 
 
 def _contiguous_dest(dest: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -85,7 +82,9 @@ def read_items(
     if len(md.chunks) == 1 and len(chunks) == 1:  # one stored chunk, one request: no index
         only = md.chunks[0]
         want = chunks[0]
-        same = tuple(only.offsets) == tuple(want.offsets) and tuple(only.sizes) == tuple(want.sizes)
+        same = only is want or (
+            tuple(only.offsets) == tuple(want.offsets) and tuple(only.sizes) == tuple(want.sizes)
+        )
         exact: list[int | None] = [0 if same else None]
     else:
         stored = {(tuple(c.offsets), tuple(c.sizes)): i for i, c in enumerate(md.chunks)}
@@ -129,7 +128,7 @@ class ReadLayout:
         self.block_cache: dict[tuple[str, tuple[int, ...]], _Staging] = {}
         self.stagings: list[_Staging] = []
         self._zero_fill = False
-        self._parts = SharedParts(max_shapes=64)  # equal request shapes: one object
+        self._parts = SharedParts(max_shapes=64)  # equal request shapes and chunks: one object
 
     def finish_ready(self) -> None:
         """Run the copy-backs of staging buffers that need no read."""
@@ -151,9 +150,12 @@ class ReadLayout:
     def _add_chunk(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], target: _Target
     ) -> None:
-        shape = self._parts.size
-        chunk = ChunkStorageMetadata(offsets=shape(offsets), sizes=shape(sizes))
-        self.chunks.setdefault(key, []).append((chunk, target))
+        chunk = self._parts.chunk(offsets, sizes)  # equal requests: one object
+        planned = self.chunks.get(key)
+        if planned is None:
+            self.chunks[key] = [(chunk, target)]  # one slot, not append's four
+        else:
+            planned.append((chunk, target))
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Zeros where a request may extend past the stored tensor: what no read
@@ -202,7 +204,7 @@ class ReadLayout:
         else:
             view = data.view(sizes) if data.is_contiguous() else None
         if view is not None and _contiguous_dest(view, stored_dtype):
-            self._add_chunk(key, offsets, sizes, _Target(view))
+            self._add_chunk(key, offsets, sizes, view)
             return
         staging = self._new_staging(sizes, stored_dtype)
         if self._zero_fill:
@@ -213,7 +215,7 @@ class ReadLayout:
             data.copy_(staging.buffer.reshape(data.shape))
 
         staging.on_done.append(copy_back)
-        self._add_chunk(key, offsets, sizes, _Target(staging.buffer, staging))
+        self._add_chunk(key, offsets, sizes, staging)
 
     def _plan_flat_from_regular(
         self, key: str, sh: ShardedTensor, stored_dtype: torch.dtype
@@ -233,7 +235,7 @@ class ReadLayout:
             data.copy_(staging.buffer.reshape(-1)[start : start + data.numel()])
 
         staging.on_done.append(copy_range)
-        self._add_chunk(key, offsets, sizes, _Target(staging.buffer, staging))
+        self._add_chunk(key, offsets, sizes, staging)
 
     def _plan_from_reformulated(
         self, key: str, sh: ShardedTensor, orig: tuple[int, ...], md: TensorStorageMetadata
@@ -318,9 +320,7 @@ class ReadLayout:
         numel = math.prod(stored_block)
         staging = self._new_staging((1,) * len(cell) + (numel,), dtype)
         self.block_cache[(key, cell)] = staging
-        self._add_chunk(
-            key, cell + (0,), (1,) * len(cell) + (numel,), _Target(staging.buffer, staging)
-        )
+        self._add_chunk(key, cell + (0,), (1,) * len(cell) + (numel,), staging)
         return staging
 
     def count_reads(
@@ -337,9 +337,9 @@ class ReadLayout:
             idx = r.dest_index.index
             assert idx is not None
             covered[idx] += math.prod(r.lengths)
-            staging = chunk_targets[idx][1].staging
-            if staging is not None:
-                staging.pending += 1
+            target = chunk_targets[idx][1]
+            if type(target) is _Staging:
+                target.pending += 1
         for (chunk, _), n in zip(chunk_targets, covered):
             if n != math.prod(chunk.sizes) and not allows_mismatch:
                 raise CorruptCheckpointError(
@@ -349,9 +349,21 @@ class ReadLayout:
                 )
 
     def target(self, read_item: ReadItem) -> _Target:
+        """Where ``read_item`` lands: its destination tensor, or its staging buffer."""
         idx = read_item.dest_index.index
         assert idx is not None
         return self.chunks[read_item.dest_index.fqn][idx][1]
+
+    def dest(self, read_item: ReadItem) -> torch.Tensor:
+        """The tensor ``read_item``'s bytes are read into."""
+        target = self.target(read_item)
+        return target.buffer if isinstance(target, _Staging) else target
+
+    def staging(self, read_item: ReadItem) -> _Staging | None:
+        """The staging buffer ``read_item`` fills, if it does not read straight into
+        its destination."""
+        target = self.target(read_item)
+        return target if isinstance(target, _Staging) else None
 
     @staticmethod
     def finish_staging(staging: _Staging) -> None:
