@@ -26,10 +26,10 @@ Steps (``*``: the coordinator; ``owner``: the busiest key owner):
   (``structure_digest``), then one all-reduce of one integer;
 - ``metadata*``: the coordinator unpickles every rank's plan records and write
   results, builds ``Metadata`` (``metadata_from_records``, then ``_finish``: the storage
-  data and the data files' checksums from the compact results), pickles it;
+  data and the data files' checksums from the result tables), pickles it;
 - ``cached metadata*``: the same save with an unchanged structure and unchanged
-  write results: the coordinator unpickles every rank's item checksums
-  (``data_files_from_records``) and writes the previous save's metadata object again
+  write results: the coordinator unpickles every rank's item locations and checksums
+  (``ResultTable.locations``, ``data_files_from_tables``) and writes the previous save's metadata object again
   with a new ``storage_meta`` (``metadata_bytes``: the first pickle of that object,
   made in ``metadata*``, is reused with the new directory and save id spliced in);
 - ``unpickle (load)``: what every rank of a load spends reading ``.metadata``
@@ -74,14 +74,9 @@ from dist_checkpointing.engine.storage.metadata_index import (
     decode_index,
     encode_index,
 )
-from dist_checkpointing.engine.storage.write_results import data_files_from_records
+from dist_checkpointing.engine.storage.result_table import ResultTable, data_files_from_tables
 from dist_checkpointing.mapping import ShardedTensor
-from dist_checkpointing.strategies.state_dict_saver import (
-    _compact_results,
-    _expand_results,
-    _finish,
-    _item_locations,
-)
+from dist_checkpointing.strategies.state_dict_saver import _expand_results, _finish
 from dist_checkpointing.strategies.torch.layout import reformulated_global_shape
 from dist_checkpointing.strategies.torch.planners import MCoreSavePlanner
 from dist_checkpointing.validation import local_shard_records
@@ -176,8 +171,8 @@ def plan_records(records: list[ShardRecord]) -> list[tuple[Any, ...]]:
     return out
 
 
-def write_results(rank: int, plan: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """A rank's compact write results (``_compact_results``), two files per rank."""
+def write_results(rank: int, plan: list[tuple[Any, ...]]) -> ResultTable:
+    """A rank's write results (as ``ResultTable``), two files per rank."""
     out, offsets = [], [0, 0]
     for i, (fqn, chunk_offsets, sizes, _size, _dtype) in enumerate(plan):
         nbytes = 4 * int(torch.Size(sizes).numel())
@@ -195,14 +190,14 @@ def write_results(rank: int, plan: list[tuple[Any, ...]]) -> list[tuple[Any, ...
             )
         )
         offsets[f] += nbytes + 64
-    return out
+    return ResultTable.of(_expand_results(out))
 
 
 def planner_data(plan: list[tuple[Any, ...]], records: list[ShardRecord]) -> dict[str, Any]:
+    """The ``mcore_data`` entries ``plan_records`` sends: only those that are not empty."""
     flat = {r.key: r.global_shape for r in records if r.flat is not None and r.is_main}
     return {
-        fqn: ({"nd_reformulated_orig_global_shape": flat[fqn]} if fqn in flat else {})
-        for fqn, *_ in plan
+        fqn: {"nd_reformulated_orig_global_shape": flat[fqn]} for fqn, *_ in plan if fqn in flat
     }
 
 
@@ -327,7 +322,7 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
         payloads.append(
             pickle.dumps(("ok", (results, (plan, planner_data(plan, records)))), protocol=4)
         )
-        locations.append(pickle.dumps(_item_locations(results), protocol=4))
+        locations.append(pickle.dumps(results.locations(), protocol=4))
 
     writer = PickleWriter()
     built: list[Any] = []
@@ -345,7 +340,7 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
     cached = built[0]
 
     def reuse() -> bytes:
-        data_files = data_files_from_records(loc for p in locations for loc in pickle.loads(p))
+        data_files = data_files_from_tables(pickle.loads(p) for p in locations)
         writer.finish_assembled(cached, data_files)
         return writer.blob
 
@@ -363,7 +358,8 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
         return metadata
 
     row(world, f"index (load, {len(index) >> 10} KiB)", *measure(from_index, memory)[:2])
-    assert _compact_results(_expand_results(pickle.loads(payloads[0])[1][0])) is not None
+    table = pickle.loads(payloads[0])[1][0]
+    assert list(ResultTable.of(_expand_results(table.rows())).rows()) == list(table.rows())
     return times
 
 

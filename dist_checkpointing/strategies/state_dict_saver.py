@@ -26,9 +26,7 @@ no rank is left waiting in a collective.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import pickle
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -43,7 +41,7 @@ from .._torch_compat import StorageInfo
 from ..engine.collectives import RankGroup, describe_error
 from ..engine.storage.bucketing import BucketLayout
 from ..engine.storage.metadata_parts import SharedParts, index_at
-from ..engine.storage.write_results import ItemLocation, data_files_from_records
+from ..engine.storage.result_table import ResultRow, ResultTable, data_files_from_tables
 from ..errors import CheckpointingException, CheckpointWriteError
 
 logger = logging.getLogger(__name__)
@@ -85,59 +83,23 @@ def _decentralized(planner: SavePlanner) -> bool:
     return bool(getattr(planner, "supports_decentralized_plan", False))
 
 
-# A write result as a plain tuple: fqn, chunk offset, size, file, file offset, length,
-# transform descriptors, item checksum.
-_ResultRecord = tuple[Any, ...]
-
-
-def _compact_results(results: list[WriteResult]) -> list[_ResultRecord]:
-    """Write results as plain tuples (they pickle an order of magnitude faster)."""
-    out = []
-    for r in results:
-        info = r.storage_data
-        offset = None if r.index.offset is None else tuple(r.index.offset)
-        out.append(
-            (
-                r.index.fqn,
-                offset,
-                r.size_in_bytes,
-                info.relative_path,
-                info.offset,
-                info.length,
-                getattr(info, "transform_descriptors", None),
-                getattr(r, "checksum", None),
-            )
-        )
-    return out
-
-
-def _results_digest(records: list[_ResultRecord]) -> int:
-    """A digest of write results without their checksums (which change with the data)."""
-    blob = pickle.dumps([r[:7] for r in records], protocol=4)
-    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
-
-
-def _item_locations(records: list[_ResultRecord]) -> list[ItemLocation]:
-    """What commit needs of unchanged write results: each item's file, place and checksum."""
-    return [(r[3], r[4], r[5], r[7]) for r in records]
-
-
 def _commit_unchanged(
     storage_writer: StorageWriter, metadata: Metadata | None, gathered: list[Any]
 ) -> tuple[str, str]:
     """(Coordinator) Rewrite the previous save's metadata: every rank's structure and
-    write results are unchanged, only the item checksums (and ``storage_meta``) are new."""
+    write results are unchanged, only the item checksums (and ``storage_meta``) are new
+    (``gathered``: each rank's :meth:`ResultTable.locations`)."""
     if metadata is None:
         return ("error", "the coordinator has no cached metadata to write")
-    data_files = data_files_from_records(loc for locations in gathered for loc in locations)
+    data_files = data_files_from_tables(gathered)
     _, error = _attempt(lambda: storage_writer.finish_assembled(metadata, data_files))  # type: ignore[attr-defined]
     if error is not None:
         return ("error", f"writing .metadata failed: {error}")
     return ("ok", "")
 
 
-def storage_data_from_records(records: Iterable[_ResultRecord]) -> dict[MetadataIndex, Any]:
-    """``Metadata.storage_data`` straight from compact write results (no WriteResult).
+def storage_data_from_records(records: Iterable[ResultRow]) -> dict[MetadataIndex, Any]:
+    """``Metadata.storage_data`` straight from the rows of write results (no WriteResult).
 
     Equal offsets are one ``torch.Size``: pickle writes a shared object once and refers
     back to it after, so ``.metadata`` is smaller and its pickling holds fewer objects."""
@@ -150,22 +112,20 @@ def storage_data_from_records(records: Iterable[_ResultRecord]) -> dict[Metadata
     }
 
 
-def _finish(storage_writer: StorageWriter, metadata: Metadata, per_rank: list[Any]) -> None:
-    """Complete ``metadata`` from every rank's compact results and write it: our writer
+def _finish(storage_writer: StorageWriter, metadata: Metadata, per_rank: list[ResultTable]) -> None:
+    """Complete ``metadata`` from every rank's write results and write it: our writer
     takes the storage data built here; another DCP writer gets WriteResults."""
     if not hasattr(storage_writer, "finish_assembled"):
-        storage_writer.finish(metadata, [_expand_results(records) for records in per_rank])
+        storage_writer.finish(metadata, [_expand_results(table.rows()) for table in per_rank])
         return
-    metadata.storage_data = storage_data_from_records(r for records in per_rank for r in records)
-    data_files = data_files_from_records(
-        loc for records in per_rank for loc in _item_locations(records)
-    )
-    for records in per_rank:  # now in storage_data and data_files: not held while pickling
-        records.clear()
+    metadata.storage_data = storage_data_from_records(r for t in per_rank for r in t.rows())
+    data_files = data_files_from_tables(per_rank)
+    for table in per_rank:  # now in storage_data and data_files: not held while pickling
+        table.clear()
     storage_writer.finish_assembled(metadata, data_files)
 
 
-def _expand_results(records: list[_ResultRecord]) -> list[WriteResult]:
+def _expand_results(records: Iterable[ResultRow]) -> list[WriteResult]:
     out = []
     for fqn, offset, size, path, file_offset, length, transforms, checksum in records:
         result = WriteResult(
@@ -421,8 +381,8 @@ def save_state_dict_async_finalize(
     group = _group_of(dist_wrapper if dist_wrapper is not None else process_group, coordinator_rank)
     pending = structure is not None and structure.metadata_pending
 
-    def collect() -> tuple[list[_ResultRecord], Any]:
-        compact = _compact_results(storage_writer.retrieve_write_results())  # type: ignore[attr-defined]
+    def collect() -> tuple[ResultTable, Any]:
+        compact = ResultTable.of(storage_writer.retrieve_write_results())  # type: ignore[attr-defined]
         release = getattr(storage_writer, "release_write_results", None)
         if release is not None:  # the compact form is all that is used from here on
             release()  # (before the plan records are made: their memory is reused)
@@ -432,12 +392,12 @@ def save_state_dict_async_finalize(
     collected, error = _attempt(collect)
     if release_plan:
         _release_plan(planner, structure)
-    digest = None if collected is None else _results_digest(collected[0])
+    digest = None if collected is None else collected[0].digest()
     unchanged = _all_unchanged(group, structure, storage_writer, digest)
     if error is not None:
         mine: Any = ("error", describe_error(error))
     elif unchanged:
-        mine = _item_locations(collected[0])  # type: ignore[index]
+        mine = collected[0].locations()  # type: ignore[index]
     else:
         mine = ("ok", collected)
     gathered = group.gather(mine)

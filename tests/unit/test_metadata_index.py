@@ -532,10 +532,22 @@ def test_decoded_metadata_shares_equal_shapes_dtypes_and_keys() -> None:
     _same(got, md)
     a, b, c = (got.state_dict_metadata[k] for k in ("w0", "w1", "w2"))
     assert a.size is b.size and a.chunks[0].sizes is b.chunks[0].sizes
+    assert a.chunks[0] is b.chunks[0]  # equal chunks: one object
     assert a.properties is c.properties and a.properties is not b.properties  # per dtype
     for index in got.storage_data:
         assert index.offset is a.chunks[0].offsets  # one object for (8, 0), items included
         assert next(k for k in got.state_dict_metadata if k == index.fqn) is index.fqn
+
+
+def test_decoded_mcore_data_shares_one_empty_dict() -> None:
+    md = _many(4, distinct=True)
+    md.mcore_data = {f"w{i}": {} for i in range(4)}  # type: ignore[attr-defined]
+    md.mcore_data["w2"] = {"nd_reformulated_orig_global_shape": (6, 4)}  # type: ignore[attr-defined]
+    got = decode_index(encode_index(md, BLOB) or b"", BLOB, "idx")
+    assert got is not None
+    mcore = got.mcore_data  # type: ignore[attr-defined]
+    assert mcore == md.mcore_data and list(mcore) == list(md.mcore_data)  # type: ignore[attr-defined]
+    assert mcore["w0"] is mcore["w3"] and mcore["w2"] is not mcore["w0"]
 
 
 def test_more_distinct_shapes_than_are_shared_decode_exactly() -> None:

@@ -136,3 +136,30 @@ def test_storage_data_shares_equal_offsets_and_pickles_to_the_same_values() -> N
     assert len(blob) < len(unshared)
     for loaded in (pickle.loads(blob), load_metadata(io.BytesIO(blob))):
         assert loaded.storage_data == reference
+
+
+def test_plan_records_send_equal_shapes_once_and_only_the_extras() -> None:
+    from dist_checkpointing import ShardedTensor
+    from dist_checkpointing.strategies.torch.layout import ND_REFORMULATED_SHAPE_KEY
+
+    planner = MCoreSavePlanner()
+    planner.set_up_planner(
+        {k: [ShardedTensor.from_rank_offsets(k, torch.zeros(4, 8))] for k in ("a", "b", "c")}
+    )
+    plan = planner.create_local_plan()
+    assert plan.planner_data == {"a": {}, "b": {}, "c": {}}  # the planner's own, unchanged
+    plan.planner_data["c"] = {ND_REFORMULATED_SHAPE_KEY: (8, 8)}
+    records, extras = MCoreSavePlanner.plan_records(plan)
+    assert extras == {"c": {ND_REFORMULATED_SHAPE_KEY: (8, 8)}}
+    assert [r[0] for r in records] == ["a", "b", "c"] and records[0][1:4] == (
+        (0, 0),
+        (4, 8),
+        (4, 8),
+    )
+    sent = pickle.loads(pickle.dumps((records, extras), protocol=4))[0]
+    assert sent[0][1] is sent[1][1] is sent[2][1] and sent[0][2] is sent[2][2]  # one tuple each
+    built = MCoreSavePlanner.metadata_from_records([(sent, extras)])
+    mcore = built.mcore_data  # type: ignore[attr-defined]
+    assert mcore == {"a": {}, "b": {}, "c": {ND_REFORMULATED_SHAPE_KEY: (8, 8)}}
+    assert list(mcore) == ["a", "b", "c"] and mcore["a"] is mcore["b"]  # one empty dict
+    assert pickle.loads(pickle.dumps(built, protocol=4)).mcore_data == mcore

@@ -155,6 +155,38 @@ class DataFileEntry:
         entry._columns(offsets, lengths, blocks)
         return entry
 
+    @classmethod
+    def from_sorted(
+        cls,
+        size: int,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        crc_starts: np.ndarray,
+        crcs: np.ndarray,
+    ) -> DataFileEntry:
+        """The entry of items given as int64 arrays in offset order: item ``i`` lies at
+        ``offsets[i]``, is ``lengths[i]`` bytes long, and its block CRCs are
+        ``crcs[crc_starts[i] - crc_starts[0]:crc_starts[i + 1] - crc_starts[0]]``.
+
+        Raises:
+            ValueError: the arrays do not agree in length, or the offsets are not in order.
+        """
+        n = len(offsets)
+        if len(lengths) != n or len(crc_starts) != n + 1:
+            raise ValueError("item offsets, lengths and checksums differ in number")
+        if n > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError("item offsets are not in order")
+        first = int(crc_starts[0])
+        if int(crc_starts[-1]) - first != len(crcs):
+            raise ValueError("item offsets, lengths and checksums differ in number")
+        entry = cls.__new__(cls)
+        entry.size = size
+        entry._offsets = offsets.tolist()
+        entry._lengths = lengths
+        entry._starts = crc_starts - first if first else crc_starts
+        entry._crcs = crcs
+        return entry
+
     def _columns(self, offsets: list[int], lengths: list[int], blocks: list[list[int]]) -> None:
         if not len(offsets) == len(lengths) == len(blocks):
             raise ValueError("item offsets, lengths and checksums differ in number")

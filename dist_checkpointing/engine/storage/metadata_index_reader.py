@@ -239,6 +239,7 @@ class _Reader:
 
     def mcore(self, pairs: Iterable[tuple[str, Any]]) -> dict[str, dict[str, tuple[int, ...]]]:
         out: dict[str, dict[str, tuple[int, ...]]] = {}
+        no_extras: dict[str, tuple[int, ...]] = {}  # shared by the keys without (read-only)
         for key, extra in pairs:
             shape = extra.get(RESHAPE_KEY) if type(extra) is dict else None
             if (
@@ -250,7 +251,7 @@ class _Reader:
             ):
                 raise self.fail(f"mcore_data[{key[:200]!r}] is malformed")
             shared: str = self.keys.get(key) or key  # the entry's own string where it has one
-            out[shared] = {} if shape is None else {RESHAPE_KEY: tuple(shape)}
+            out[shared] = no_extras if shape is None else {RESHAPE_KEY: tuple(shape)}
         return out
 
 

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...errors import CheckpointWriteError
 from .checksums import DataFileEntry
+from .result_table import ResultTable, data_files_from_tables
 from .write_workers import WriteOutcome
 
 
@@ -32,31 +33,7 @@ def results_in_order(outcome: WriteOutcome, bucket_paths: Sequence[str]) -> list
 def data_file_checksums(results: Sequence[Sequence[WriteResult]]) -> dict[str, DataFileEntry]:
     """Every data file written, with its size and its items' checksums (carried by the
     write results; none when the save wrote no checksums)."""
-    return data_files_from_records(
-        (
-            r.storage_data.relative_path,
-            r.storage_data.offset,
-            r.storage_data.length,
-            getattr(r, "checksum", None),
-        )
-        for rank_results in results
-        for r in rank_results
-    )
-
-
-# Where one item lies and its checksum: (file, offset in the file, length, ItemChecksum or None).
-ItemLocation = tuple[str, int, int, Any]
-
-
-def data_files_from_records(records: Iterable[ItemLocation]) -> dict[str, DataFileEntry]:
-    """:func:`data_file_checksums` from plain ``(file, offset, length, checksum)`` records."""
-    sizes: dict[str, int] = {}
-    items: dict[str, list[Any]] = {}
-    for path, offset, length, checksum in records:
-        sizes[path] = max(sizes.get(path, 0), offset + length)
-        if checksum is not None:
-            items.setdefault(path, []).append(checksum)
-    return {path: DataFileEntry(size, items.pop(path, ())) for path, size in sizes.items()}
+    return data_files_from_tables(ResultTable.of(rank_results) for rank_results in results)
 
 
 def storage_data_from_results(results: Sequence[Sequence[WriteResult]]) -> dict[Any, Any]:
@@ -65,8 +42,6 @@ def storage_data_from_results(results: Sequence[Sequence[WriteResult]]) -> dict[
 
 
 __all__ = [
-    "ItemLocation",
     "data_file_checksums",
-    "data_files_from_records",
     "storage_data_from_results",
 ]

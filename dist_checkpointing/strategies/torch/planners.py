@@ -254,31 +254,47 @@ class MCoreSavePlanner(DefaultSavePlanner):
 
     @staticmethod
     def plan_records(plan: SavePlan) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
-        """A compact, cheaply pickled description of a local plan's items."""
+        """A compact, cheaply pickled description of a local plan's items: a record per
+        item (equal shapes as one tuple, which pickle sends once) and the ``mcore_data``
+        entries that are not empty (:meth:`metadata_from_records` adds the others)."""
         records: list[tuple[Any, ...]] = []
+        tuples: dict[int, tuple[int, ...]] = {}  # by the id of a (shared) torch.Size
+
+        def as_tuple(shape: torch.Size) -> tuple[int, ...]:
+            made = tuples.get(id(shape))
+            if made is None:
+                made = tuples[id(shape)] = tuple(shape)
+            return made
+
         for item in plan.items:
             td = item.tensor_data
             if td is None:
                 records.append((item.index.fqn,))
             else:
+                chunk = td.chunk
                 records.append(
                     (
                         item.index.fqn,
-                        tuple(td.chunk.offsets),
-                        tuple(td.chunk.sizes),
-                        tuple(td.size),
+                        as_tuple(chunk.offsets),
+                        as_tuple(chunk.sizes),
+                        as_tuple(td.size),
                         td.properties.dtype,
                     )
                 )
-        return records, plan.planner_data or {}
+        extras = {key: value for key, value in (plan.planner_data or {}).items() if value}
+        return records, extras
 
     @staticmethod
     def metadata_from_records(
         all_records: list[tuple[list[tuple[Any, ...]], dict[str, Any]]],
     ) -> Metadata:
-        """The global Metadata (without storage data) from every rank's plan records."""
+        """The global Metadata (without storage data) from every rank's plan records.
+
+        Every tensor has an entry in ``mcore_data``; those without extras share one
+        empty dict (read-only, as the rest of a built ``Metadata``)."""
         md: dict[str, Any] = {}
         mcore_data: dict[str, dict[str, Any]] = {}
+        no_extras: dict[str, Any] = {}
         parts = SharedParts()  # equal shapes and dtypes: one object each (a faster pickle)
         shape = parts.size
         for records, planner_data in all_records:
@@ -290,6 +306,8 @@ class MCoreSavePlanner(DefaultSavePlanner):
                 tmd = md.get(fqn)
                 if tmd is None:
                     tmd = md[fqn] = TensorStorageMetadata(parts.properties(dtype), shape(size), [])
+                    if fqn not in mcore_data:
+                        mcore_data[fqn] = no_extras
                 tmd.chunks.append(parts.chunk(offsets, sizes))
             for key, value in planner_data.items():
                 if value or key not in mcore_data:
