@@ -56,8 +56,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.storage import WriteResult
 
+from dist_checkpointing._torch_compat import StorageInfo
 from dist_checkpointing.engine.safety.metadata import load_metadata
 from dist_checkpointing.engine.safety.metadata_check import check_metadata
 from dist_checkpointing.engine.sharding_check import ShardRecord, sharding_integrity_problems
@@ -76,7 +78,7 @@ from dist_checkpointing.engine.storage.metadata_index import (
 )
 from dist_checkpointing.engine.storage.result_table import ResultTable, data_files_from_tables
 from dist_checkpointing.mapping import ShardedTensor
-from dist_checkpointing.strategies.state_dict_saver import _expand_results, _finish
+from dist_checkpointing.strategies.state_dict_saver import _finish
 from dist_checkpointing.strategies.torch.layout import reformulated_global_shape
 from dist_checkpointing.strategies.torch.planners import MCoreSavePlanner
 from dist_checkpointing.validation import local_shard_records
@@ -177,20 +179,15 @@ def write_results(rank: int, plan: list[tuple[Any, ...]]) -> ResultTable:
     for i, (fqn, chunk_offsets, sizes, _size, _dtype) in enumerate(plan):
         nbytes = 4 * int(torch.Size(sizes).numel())
         f = i % 2
-        out.append(
-            (
-                fqn,
-                chunk_offsets,
-                nbytes,
-                f"__{rank}_{f}.distcp",
-                offsets[f],
-                nbytes + 64,
-                None,
-                ItemChecksum(offsets[f], nbytes + 64, [i]),
-            )
+        result = WriteResult(
+            MetadataIndex(fqn, torch.Size(chunk_offsets)),
+            nbytes,
+            StorageInfo(f"__{rank}_{f}.distcp", offsets[f], nbytes + 64),
         )
+        object.__setattr__(result, "checksum", ItemChecksum(offsets[f], nbytes + 64, [i]))
+        out.append(result)
         offsets[f] += nbytes + 64
-    return ResultTable.of(_expand_results(out))
+    return ResultTable.of(out)
 
 
 def planner_data(plan: list[tuple[Any, ...]], records: list[ShardRecord]) -> dict[str, Any]:
@@ -359,7 +356,7 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
 
     row(world, f"index (load, {len(index) >> 10} KiB)", *measure(from_index, memory)[:2])
     table = pickle.loads(payloads[0])[1][0]
-    assert list(ResultTable.of(_expand_results(table.rows())).rows()) == list(table.rows())
+    assert list(ResultTable.of(table.write_results()).rows()) == list(table.rows())
     return times
 
 

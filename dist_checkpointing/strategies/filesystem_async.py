@@ -41,10 +41,13 @@ from ..engine.storage.location import CheckpointDir
 from ..engine.storage.metadata_blob import metadata_bytes
 from ..engine.storage.metadata_index import INDEX_NAME, encode_index
 from ..engine.storage.resolve import is_url
+from ..engine.storage.result_table import ResultTable
 from ..engine.storage.write_results import (
     data_file_checksums,
+    result_table,
     results_in_order,
     storage_data_from_results,
+    wait_for_outcome,
 )
 from ..engine.storage.write_workers import (
     FileResultsQueue,
@@ -95,9 +98,10 @@ class FileSystemWriterAsync(StorageWriter):
        (one forked process per bucket) and puts a :class:`WriteOutcome` into the
        results queue held in ``args``.
     6. (all ranks, in the calling process, after ``fn`` finished)
-       ``retrieve_write_results()``: reads the outcome; raises
-       :class:`CheckpointWriteError` naming rank, file and cause if any bucket failed
-       or none reported (e.g. the process was killed).
+       ``retrieve_write_results()`` (or ``retrieve_result_table()``, the same results
+       as columns): reads the outcome; raises :class:`CheckpointWriteError` naming
+       rank, file and cause if any bucket failed or none reported (e.g. the process
+       was killed).
     7. (coordinator, after gathering every rank's results) ``finish(metadata, results)``.
 
     One writer serves one checkpoint save (it keeps state between the steps).
@@ -150,6 +154,7 @@ class FileSystemWriterAsync(StorageWriter):
         self._results_queue: ResultsQueue | None = None
         self._buckets: list[WriteBucket] | None = None
         self._write_results: list[WriteResult] | None = None
+        self._table: ResultTable | None = None
         self.bucket_layout: BucketLayout | None = None  # see prepare_write_data
 
     # ----------------------------------------------------------------- DCP protocol
@@ -161,7 +166,7 @@ class FileSystemWriterAsync(StorageWriter):
         self.save_id = str(uuid.uuid4())
         self.close()
         self._buckets = None
-        self._write_results = None
+        self._write_results = self._table = None
 
     def _set_location(self, path: str | os.PathLike[str]) -> None:
         self.location = CheckpointDir.of(path)
@@ -338,7 +343,7 @@ class FileSystemWriterAsync(StorageWriter):
             checksum_block_bytes=self.location.context.block_bytes,
             layout=self.bucket_layout,
         )
-        self._write_results = None
+        self._write_results = self._table = None
         logger.debug(
             "rank %d: %d items in %d buckets",
             self._rank_or_default(),
@@ -396,50 +401,49 @@ class FileSystemWriterAsync(StorageWriter):
         of their items and data.
 
         ``timeout`` (default: the ``RESULTS_TIMEOUT_S`` knob, 10 s) bounds the wait for
-        the write function's outcome; it is normally there already, since
-        finalization runs after the write finished.
+        the write function's outcome (normally there: finalization runs after it).
 
         Raises:
             CheckpointWriteError: a bucket failed or its worker died, or no outcome
                 arrived within ``timeout`` seconds; names the rank, files and cause.
         """
-        timeout = knobs.RESULTS_TIMEOUT_S.get(timeout)
-        if self._write_results is not None:
-            return self._write_results
-        if self._buckets is None:
+        if self._write_results is None:
+            self._write_results = self.retrieve_result_table(timeout).write_results()
+        return self._write_results
+
+    def retrieve_result_table(self, timeout: float | None = None) -> ResultTable:
+        """:meth:`retrieve_write_results` as one :class:`ResultTable` (what the saver
+        sends), without a ``WriteResult`` per item where a writer process sent it."""
+        if self._table is None and self._write_results is not None:
+            self._table = ResultTable.of(self._write_results)
+        if self._table is not None:
+            return self._table
+        if self._buckets is None or (self._buckets and self._results_queue is None):
             raise CheckpointingException(
-                f"{self.path}: retrieve_write_results called before prepare_write_data "
+                f"{self.path}: write results retrieved before get_save_function_and_args "
                 "or after release_write_results"
             )
-        if not self._buckets:
-            self._write_results = []
-            return self._write_results
-        rank = self._rank_or_default()
-        if self._results_queue is None:
-            raise CheckpointingException(
-                f"{self.path}: retrieve_write_results called before get_save_function_and_args"
-            )
+        paths = [b.path for b in self._buckets]
+        if not paths:
+            self._table = ResultTable.of([])
+            return self._table
+        rank, timeout = self._rank_or_default(), knobs.RESULTS_TIMEOUT_S.get(timeout)
         try:
-            outcome = self._results_queue.get(timeout=timeout)
-        except queue.Empty:
-            files = ", ".join(b.path for b in self._buckets)
-            raise CheckpointWriteError(
-                f"rank {rank}: no write results within {timeout:.0f}s for {files}: the write "
-                f"function did not run or its process died before reporting"
-            ) from None
+            outcome = wait_for_outcome(self._results_queue, rank, paths, timeout)
         finally:
             self.close()
-        self._write_results = results_in_order(outcome, [b.path for b in self._buckets])
+        self._table = result_table(outcome, paths)
         for bucket in self._buckets:  # written: only the results are needed from here on
             bucket.release()
         self.bucket_layout = None  # the saver keeps it where it caches the plan
-        return self._write_results
+        return self._table
 
     def release_write_results(self) -> None:
-        """Let go of the results :meth:`retrieve_write_results` returned (the saver
-        calls this once it has their compact form: about 27 MiB per 100,000 items)."""
-        if self._write_results is not None:
-            self._write_results = None
+        """Let go of the results :meth:`retrieve_write_results` and
+        :meth:`retrieve_result_table` returned (the saver calls this once it has sent
+        them: about 27 MiB per 100,000 ``WriteResult`` objects)."""
+        if self._write_results is not None or self._table is not None:
+            self._write_results = self._table = None
             self._buckets = None  # a later retrieve raises
 
     @staticmethod

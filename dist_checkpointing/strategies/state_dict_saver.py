@@ -31,11 +31,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter
 
 from .._torch_compat import StorageInfo
 from ..engine.collectives import RankGroup, describe_error
@@ -116,27 +115,13 @@ def _finish(storage_writer: StorageWriter, metadata: Metadata, per_rank: list[Re
     """Complete ``metadata`` from every rank's write results and write it: our writer
     takes the storage data built here; another DCP writer gets WriteResults."""
     if not hasattr(storage_writer, "finish_assembled"):
-        storage_writer.finish(metadata, [_expand_results(table.rows()) for table in per_rank])
+        storage_writer.finish(metadata, [table.write_results() for table in per_rank])
         return
     metadata.storage_data = storage_data_from_records(r for t in per_rank for r in t.rows())
     data_files = data_files_from_tables(per_rank)
     for table in per_rank:  # now in storage_data and data_files: not held while pickling
         table.clear()
     storage_writer.finish_assembled(metadata, data_files)
-
-
-def _expand_results(records: Iterable[ResultRow]) -> list[WriteResult]:
-    out = []
-    for fqn, offset, size, path, file_offset, length, transforms, checksum in records:
-        result = WriteResult(
-            MetadataIndex(fqn, None if offset is None else torch.Size(offset)),
-            size,
-            StorageInfo(path, file_offset, length, transforms),
-        )
-        if checksum is not None:
-            object.__setattr__(result, "checksum", checksum)  # WriteResult is frozen
-        out.append(result)
-    return out
 
 
 def _commit_metadata(
@@ -382,7 +367,11 @@ def save_state_dict_async_finalize(
     pending = structure is not None and structure.metadata_pending
 
     def collect() -> tuple[ResultTable, Any]:
-        compact = ResultTable.of(storage_writer.retrieve_write_results())  # type: ignore[attr-defined]
+        retrieve = getattr(storage_writer, "retrieve_result_table", None)
+        if retrieve is not None:  # ours: the results as columns, as a writer process sent them
+            compact = retrieve()
+        else:
+            compact = ResultTable.of(storage_writer.retrieve_write_results())  # type: ignore[attr-defined]
         release = getattr(storage_writer, "release_write_results", None)
         if release is not None:  # the compact form is all that is used from here on
             release()  # (before the plan records are made: their memory is reused)

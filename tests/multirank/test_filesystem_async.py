@@ -45,6 +45,7 @@ from dist_checkpointing.engine.safety import load_metadata
 from dist_checkpointing.engine.storage import item_reader, item_writer, resolve
 from dist_checkpointing.engine.storage import write_workers as ww
 from dist_checkpointing.engine.storage.bucketing import item_size, plan_buckets, split_by_size
+from dist_checkpointing.engine.storage.result_table import ResultTable
 from dist_checkpointing.engine.storage.write_workers import FileResultsQueue
 from dist_checkpointing.errors import (
     CheckpointingException,
@@ -404,10 +405,14 @@ def test_async_write_in_a_forked_process(tmp_path: Path) -> None:
     proc.start()
     proc.join(60)
     assert proc.exitcode == 0
+    table = writer.retrieve_result_table()  # as the worker sent it: columns
     results = writer.retrieve_write_results()
     assert sorted(r.index.fqn for r in results) == sorted(sd)
+    assert list(ResultTable.of(results).rows()) == list(table.rows())
+    assert all(hasattr(r, "checksum") for r in results)  # as the writer makes them
     assert not os.path.exists(args[2].directory)  # the results channel cleaned up
     assert writer.retrieve_write_results() is results  # kept until released
+    assert writer.retrieve_result_table() is table
     writer.release_write_results()
     with pytest.raises(CheckpointingException, match="after release_write_results"):
         writer.retrieve_write_results()  # never an empty list that would lose items

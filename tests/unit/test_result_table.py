@@ -175,3 +175,39 @@ def test_the_coordinator_holds_a_fraction_of_the_memory_of_tuples() -> None:
     as_tuples, as_table = held(tuples), held(table)
     assert as_table * 3 < as_tuples, (as_table // n, as_tuples // n)
     assert len(table) * 3 < len(tuples) * 2  # the keys are most of what is left
+
+
+def test_tables_join_in_order_and_give_back_write_results() -> None:
+    a = [_result(f"a{i}", (i, 0), FILES[i % 2], 64 * i, 60, [i, i + 1]) for i in range(5)]
+    b = [_result(f"b{i}", None, FILES[2], 64 * i, 60, None, ["zstd"]) for i in range(3)]
+    b.append(_result("b3", (0,), FILES[0], 1000, 2**33, [9]))  # a wider column, a known file
+    joined = ResultTable.concat([ResultTable.of(a), ResultTable.of([]), ResultTable.of(b)])
+    assert list(joined.rows()) == [_fields(r) for r in a + b]
+    assert joined.files == FILES[:2] + [FILES[2]] and joined.transforms.keys() == {5, 6, 7}
+    assert data_files_from_tables([joined]) == _reference_files(a + b)
+    again = joined.write_results()
+    assert [_fields(r) for r in again] == [_fields(r) for r in a + b]
+    assert ResultTable.of(again).digest() == joined.digest()
+
+
+def test_a_pickled_outcome_carries_its_results_as_tables() -> None:
+    from dist_checkpointing.engine.storage.write_results import (
+        WriteOutcome,
+        result_table,
+        results_in_order,
+    )
+
+    buckets = [
+        [_result(f"k{b}.{i}", (0,), FILES[b], 64 * i, 60, [b, i]) for i in range(4)]
+        for b in range(2)
+    ]
+    outcome = WriteOutcome(3, {0: buckets[0], 1: buckets[1]})
+    sent = pickle.loads(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+    assert sent.results == {} and sorted(sent.tables) == [0, 1] and sent.rank == 3
+    expected = [_fields(r) for r in buckets[0] + buckets[1]]
+    assert [_fields(r) for r in results_in_order(sent, FILES[:2])] == expected
+    assert list(result_table(sent, FILES[:2]).rows()) == expected
+    assert list(result_table(outcome, FILES[:2]).rows()) == expected  # not pickled: objects
+    # Results of another form travel as they are.
+    odd = WriteOutcome(0, {0: ["not a write result"]})  # type: ignore[list-item]
+    assert pickle.loads(pickle.dumps(odd)).results == {0: ["not a write result"]}

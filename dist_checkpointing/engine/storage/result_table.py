@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..._torch_compat import StorageInfo
 from .checksums import DataFileEntry, ItemChecksum
 
 # One row: key, chunk offset (a tuple, or None), size in bytes, file, offset in the file,
@@ -39,11 +42,12 @@ ResultRow = tuple[Any, ...]
 def _column(values: Iterable[int], n: int) -> np.ndarray:
     """``values`` in the narrowest unsigned dtype that holds them (int64 if any is
     negative): a column of small lengths pickles in 2 bytes a row, not 8."""
-    if not n:
-        return _NO_INTS
-    column = np.fromiter(values, np.int64, n)
-    if int(column.min()) >= 0:
-        return column.astype(np.min_scalar_type(int(column.max())))
+    return _narrow(np.fromiter(values, np.int64, n)) if n else _NO_INTS
+
+
+def _narrow(column: np.ndarray) -> np.ndarray:
+    if len(column) and int(column.min()) >= 0:
+        return column.astype(np.min_scalar_type(int(column.max())), copy=False)
     return column
 
 
@@ -178,9 +182,54 @@ class ResultTable:
         h = hashlib.blake2b(digest_size=8)
         h.update(pickle.dumps((self.fqns, self.offsets, self.files, self.transforms), protocol=4))
         for column in (self.sizes, self.file_rows, self.starts, self.lengths):
-            h.update(column.dtype.str.encode())
-            h.update(np.ascontiguousarray(column).tobytes())
+            h.update(_int64(column).tobytes())  # whatever dtype the values came in
         return int.from_bytes(h.digest(), "little") >> 1
+
+    def write_results(self) -> list[WriteResult]:
+        """The rows as DCP ``WriteResult`` objects (with their ``checksum`` attribute,
+        as the writer makes them; the index hints are not kept)."""
+        out = []
+        for fqn, offset, size, path, start, length, transforms, checksum in self.rows():
+            result = WriteResult(
+                MetadataIndex(fqn, None if offset is None else torch.Size(offset)),
+                size,
+                StorageInfo(path, start, length, transforms),
+            )
+            object.__setattr__(result, "checksum", checksum)  # WriteResult is frozen
+            out.append(result)
+        return out
+
+    @classmethod
+    def concat(cls, tables: Sequence[ResultTable]) -> ResultTable:
+        """One table of the rows of ``tables``, in order."""
+        if len(tables) == 1:
+            return tables[0]
+        files: dict[str, int] = {}
+        file_rows, places, transforms, base = [], {}, {}, 0
+        for t in tables:
+            ids = np.array([files.setdefault(p, len(files)) for p in t.files], dtype=np.int64)
+            file_rows.append(ids[_int64(t.file_rows)] if len(t) else _NO_INTS)
+            places.update({base + row: at for row, at in t.checksum_places.items()})
+            transforms.update({base + row: d for row, d in t.transforms.items()})
+            base += len(t)
+
+        def joined(name: str) -> np.ndarray:
+            return _narrow(np.concatenate([getattr(t, name) for t in tables] or [_NO_INTS]))
+
+        return cls(
+            fqns=[f for t in tables for f in t.fqns],
+            offsets=[o for t in tables for o in t.offsets],
+            sizes=joined("sizes"),
+            files=list(files),
+            file_rows=_narrow(np.concatenate(file_rows or [_NO_INTS])),
+            starts=joined("starts"),
+            lengths=joined("lengths"),
+            has_checksum=np.concatenate([t.has_checksum for t in tables] or [_NO_BOOLS]),
+            crc_counts=joined("crc_counts"),
+            crcs=joined("crcs"),
+            checksum_places=places,
+            transforms=transforms,
+        )
 
     def locations(self) -> ResultTable:
         """The table without keys, offsets and sizes: what a save whose results are

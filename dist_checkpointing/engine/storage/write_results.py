@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import logging
+import queue
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.storage import WriteResult
@@ -11,23 +14,86 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ...errors import CheckpointWriteError
 from .checksums import DataFileEntry
 from .result_table import ResultTable, data_files_from_tables
-from .write_workers import WriteOutcome
+
+logger = logging.getLogger(__name__)
 
 
-def results_in_order(outcome: WriteOutcome, bucket_paths: Sequence[str]) -> list[WriteResult]:
-    """Every bucket's WriteResults in bucket order, or :class:`CheckpointWriteError`
-    naming each bucket that failed or reported nothing (its file) and the rank."""
+@dataclass
+class WriteOutcome:
+    """What the write function reports for one rank: per-bucket results or errors.
+
+    Pickled (from a writer process to the trainer), each bucket's results travel as a
+    :class:`~.result_table.ResultTable` in ``tables``, made in the writer's process:
+    the trainer unpickles a few byte strings instead of 100,000 ``WriteResult``
+    objects (0.3 s at 100,000 items on the development VM)."""
+
+    rank: int
+    results: dict[int, list[WriteResult]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    tables: dict[int, ResultTable] = field(default_factory=dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(vars(self))
+        try:
+            tables = {i: ResultTable.of(r) for i, r in self.results.items()}
+        except Exception as exc:  # noqa: BLE001 - results of an unexpected form: as they are
+            logger.debug("write results sent as objects: %s", exc)
+            return state
+        state["tables"], state["results"] = {**self.tables, **tables}, {}
+        return state
+
+
+def _check_outcome(outcome: WriteOutcome, bucket_paths: Sequence[str]) -> None:
+    """Raise :class:`CheckpointWriteError` naming each bucket that failed or reported
+    nothing (its file) and the rank."""
     problems = [outcome.errors[i] for i in sorted(outcome.errors)]
     missing = [
         path
         for i, path in enumerate(bucket_paths)
-        if i not in outcome.results and i not in outcome.errors
+        if i not in outcome.results and i not in outcome.tables and i not in outcome.errors
     ]
     if missing:
         problems.append(f"rank {outcome.rank}: no result reported for {', '.join(missing)}")
     if problems:
         raise CheckpointWriteError("Worker failure: " + "\n".join(problems))
-    return [wr for i in range(len(bucket_paths)) for wr in outcome.results[i]]
+
+
+def results_in_order(outcome: WriteOutcome, bucket_paths: Sequence[str]) -> list[WriteResult]:
+    """Every bucket's WriteResults in bucket order, or :class:`CheckpointWriteError`
+    naming each bucket that failed or reported nothing (its file) and the rank."""
+    _check_outcome(outcome, bucket_paths)
+    out: list[WriteResult] = []
+    for i in range(len(bucket_paths)):
+        table = outcome.tables.get(i)
+        out += outcome.results[i] if table is None else table.write_results()
+    return out
+
+
+def result_table(outcome: WriteOutcome, bucket_paths: Sequence[str]) -> ResultTable:
+    """:func:`results_in_order` as one :class:`~.result_table.ResultTable` (without
+    making ``WriteResult`` objects where the outcome brought tables)."""
+    _check_outcome(outcome, bucket_paths)
+    return ResultTable.concat(
+        [
+            outcome.tables[i] if i in outcome.tables else ResultTable.of(outcome.results[i])
+            for i in range(len(bucket_paths))
+        ]
+    )
+
+
+def wait_for_outcome(
+    results_queue: Any, rank: int, bucket_paths: Sequence[str], timeout: float
+) -> WriteOutcome:
+    """The outcome the write function put into ``results_queue``, or
+    :class:`CheckpointWriteError` naming the rank and files after ``timeout`` seconds."""
+    try:
+        outcome: WriteOutcome = results_queue.get(timeout=timeout)
+    except queue.Empty:
+        raise CheckpointWriteError(
+            f"rank {rank}: no write results within {timeout:.0f}s for {', '.join(bucket_paths)}: "
+            "the write function did not run or its process died before reporting"
+        ) from None
+    return outcome
 
 
 def data_file_checksums(results: Sequence[Sequence[WriteResult]]) -> dict[str, DataFileEntry]:
@@ -42,6 +108,10 @@ def storage_data_from_results(results: Sequence[Sequence[WriteResult]]) -> dict[
 
 
 __all__ = [
+    "WriteOutcome",
     "data_file_checksums",
+    "result_table",
+    "results_in_order",
     "storage_data_from_results",
+    "wait_for_outcome",
 ]

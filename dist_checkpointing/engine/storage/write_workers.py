@@ -38,6 +38,7 @@ from .host_staging import StagingStep, TensorSlot
 from .item_codec import decode_tensor_items, encode_tensor_items
 from .resolve import filesystem_for
 from .staging_pool import TensorItemWriter
+from .write_results import WriteOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +86,6 @@ def _rebuild_bucket(
 ) -> WriteBucket:
     items = decode_tensor_items(records)
     return WriteBucket(path, relative, byte_items, list(zip(items, data)), block)
-
-
-@dataclass
-class WriteOutcome:
-    """What the write function reports for one rank: per-bucket results or errors."""
-
-    rank: int
-    results: dict[int, list[WriteResult]] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- staging
