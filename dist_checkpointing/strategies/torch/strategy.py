@@ -48,7 +48,7 @@ from ..state_dict_saver import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
-from .converter import _replace_state_dict_keys_with_sharded_keys
+from .converter import group_by_key
 from .layout import ND_REFORMULATED_SHAPE_KEY
 from .planners import MCoreLoadPlanner, MCoreSavePlanner
 
@@ -203,9 +203,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         checkpoint_dir: str | os.PathLike[str],
         in_process: bool,
     ) -> AsyncRequest:
-        by_key = _replace_state_dict_keys_with_sharded_keys(
-            sharded_state_dict, self.keep_only_main_replica
-        )[0]
+        by_key = group_by_key(sharded_state_dict, self.keep_only_main_replica)
         by_key = _drop_empty_flat(by_key)
         writer = FileSystemWriterAsync(
             CheckpointDir.of(checkpoint_dir),  # the caller's handle (its save context)
@@ -287,7 +285,7 @@ class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
         """Read every ShardedTensor/ShardedObject of the request through DCP (tensors
         without data are allocated on the CPU)."""
         # Only the grouping: the paths would be held while reading (100,000 leaves: 15 MiB).
-        by_key = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)[0]
+        by_key = group_by_key(sharded_state_dict)
         # Before dropping empty flat ranges: they too come back as (empty) tensors.
         for shards in by_key.values():
             for sh in shards:
