@@ -3,8 +3,9 @@
 Megatron-Core's names and semantics: ``flatten_state_dict``,
 ``sharded_tensor_to_torch_sharded_tensor``, ``mcore_to_pyt_state_dict``,
 ``_unwrap_pyt_sharded_tensor`` and the key-replacement helpers. The save and
-load paths group leaves by their sharded key with
-:func:`_replace_state_dict_keys_with_sharded_keys` and plan directly from our
+load paths group leaves by their sharded key with :func:`group_by_key` (what
+:func:`_replace_state_dict_keys_with_sharded_keys` groups, without a path per leaf)
+and plan directly from our
 ShardedTensors (see ``planners.py``); the PyTorch ``ShardedTensor`` conversion
 is kept for code that relies on it.
 """

@@ -2,7 +2,7 @@
 
 Save (``MCoreSavePlanner``), call sequence on every rank:
     1. ``set_up_planner(by_key, storage_meta, is_coordinator)`` with the leaves
-       grouped by sharded key (``_replace_state_dict_keys_with_sharded_keys``);
+       grouped by sharded key (``converter.group_by_key``);
     2. ``create_local_plan()``: one write item per stored chunk, one BytesIO
        item per ShardedObject (on every rank that holds a main replica). With
        ``track_structure``, ``structure_signature()`` first; where it equals the one a
