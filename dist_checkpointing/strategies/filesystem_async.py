@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import multiprocessing
 import os
 import queue
 import uuid
@@ -44,6 +43,7 @@ from ..engine.storage.resolve import is_url
 from ..engine.storage.result_table import ResultTable
 from ..engine.storage.write_results import (
     data_file_checksums,
+    get_write_results_queue,
     result_table,
     results_in_order,
     storage_data_from_results,
@@ -477,21 +477,6 @@ class FileSystemWriterAsync(StorageWriter):
 
 
 _DEFAULT_WRITE_PRELOADED_DATA = FileSystemWriterAsync.write_preloaded_data
-
-# The queue get_write_results_queue hands out (created on first use).
-_results_queue: Any = None
-
-
-def get_write_results_queue(mp_mode: str = "spawn") -> Any:
-    """A queue that write workers of other processes can report to, shared by every
-    caller of this process: a ``multiprocessing`` manager's queue in the ``mp_mode``
-    start-method context, created on the first call. Pass it to
-    :class:`FileSystemWriterAsync` as ``results_queue``."""
-    global _results_queue
-    if _results_queue is None:
-        _results_queue = multiprocessing.get_context(mp_mode).Manager().Queue()
-    return _results_queue
-
 
 __all__ = [
     "get_write_results_queue",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,21 @@ def wait_for_outcome(
     return outcome
 
 
+# The queue get_write_results_queue hands out (created on first use).
+_results_queue: Any = None
+
+
+def get_write_results_queue(mp_mode: str = "spawn") -> Any:
+    """A queue that write workers of other processes can report to, shared by every
+    caller of this process: a ``multiprocessing`` manager's queue in the ``mp_mode``
+    start-method context, created on the first call. Pass it to
+    ``FileSystemWriterAsync`` as ``results_queue``."""
+    global _results_queue
+    if _results_queue is None:
+        _results_queue = multiprocessing.get_context(mp_mode).Manager().Queue()
+    return _results_queue
+
+
 def data_file_checksums(results: Sequence[Sequence[WriteResult]]) -> dict[str, DataFileEntry]:
     """Every data file written, with its size and its items' checksums (carried by the
     write results; none when the save wrote no checksums)."""
@@ -110,6 +126,7 @@ def storage_data_from_results(results: Sequence[Sequence[WriteResult]]) -> dict[
 __all__ = [
     "WriteOutcome",
     "data_file_checksums",
+    "get_write_results_queue",
     "result_table",
     "results_in_order",
     "storage_data_from_results",

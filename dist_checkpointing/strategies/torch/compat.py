@@ -67,6 +67,7 @@ def get_reformulation_metadata(
 
 
 def _mcore_async_modules() -> dict[str, Any]:
+    from ...engine.storage import write_results
     from .. import filesystem_async
     from ..async_utils import AsyncCallsQueue, AsyncRequest
     from ..cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
@@ -77,7 +78,7 @@ def _mcore_async_modules() -> dict[str, Any]:
         "AsyncRequest": AsyncRequest,
         "CachedMetadataFileSystemReader": CachedMetadataFileSystemReader,
         "FileSystemWriterAsync": filesystem_async.FileSystemWriterAsync,
-        "_results_queue": filesystem_async._results_queue,
+        "_results_queue": write_results._results_queue,  # the queue get_write_results_queue made
         "get_write_results_queue": filesystem_async.get_write_results_queue,
         "save_state_dict_async_finalize": save_state_dict_async_finalize,
         "save_state_dict_async_plan": save_state_dict_async_plan,
