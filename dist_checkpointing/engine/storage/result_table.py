@@ -204,14 +204,20 @@ class ResultTable:
 
     @classmethod
     def concat(cls, tables: Sequence[ResultTable]) -> ResultTable:
-        """One table of the rows of ``tables``, in order."""
+        """One table of the rows of ``tables``, in order (a few array operations per
+        table: a save of 4,096 ranks sends 4,096 small tables)."""
         if len(tables) == 1:
             return tables[0]
         files: dict[str, int] = {}
         file_rows, places, transforms, base = [], {}, {}, 0
         for t in tables:
-            ids = np.array([files.setdefault(p, len(files)) for p in t.files], dtype=np.int64)
-            file_rows.append(ids[_int64(t.file_rows)] if len(t) else _NO_INTS)
+            ids = [files.setdefault(p, len(files)) for p in t.files]
+            if not len(t):
+                pass
+            elif ids[0] + len(ids) == len(files) and ids[-1] - ids[0] == len(ids) - 1:
+                file_rows.append(_int64(t.file_rows) + ids[0])  # new files (the usual case)
+            else:
+                file_rows.append(np.array(ids, dtype=np.int64)[_int64(t.file_rows)])
             places.update({base + row: at for row, at in t.checksum_places.items()})
             transforms.update({base + row: d for row, d in t.transforms.items()})
             base += len(t)
@@ -253,11 +259,7 @@ class ResultTable:
 
     def clear(self) -> None:
         """Let go of the columns (once their content is in ``Metadata`` and the record)."""
-        self.fqns, self.offsets, self.files = [], [], []
-        self.checksum_places, self.transforms = {}, {}
-        self.sizes = self.file_rows = self.starts = self.lengths = _NO_INTS
-        self.crc_counts = self.crcs = _NO_INTS
-        self.has_checksum = _NO_BOOLS
+        vars(self).update(vars(_empty_table()))
 
 
 _FIELDS = tuple(f.name for f in fields(ResultTable))
@@ -265,6 +267,7 @@ _COLUMNS = frozenset(f.name for f in fields(ResultTable) if f.type in ("np.ndarr
 
 
 def _empty_table() -> ResultTable:
+    """A table without rows (a name in a pickle: most ranks of a large save send one)."""
     return ResultTable(
         [], [], _NO_INTS, [], _NO_INTS, _NO_INTS, _NO_INTS, _NO_BOOLS, _NO_INTS, _NO_INTS
     )
@@ -287,36 +290,16 @@ def data_files_from_tables(tables: Iterable[ResultTable]) -> dict[str, DataFileE
     """Every data file the tables name, with its size (the end of its last item) and
     its items' checksums (rows without one are not listed), built from the columns.
 
-    All tables' columns are joined first (a few array operations per table: a save
-    of 4,096 ranks sends 4,096 small tables), then cut per file."""
-    paths: dict[str, int] = {}
-    columns: list[list[np.ndarray]] = [[] for _ in range(6)]
-    places: dict[int, tuple[int, int]] = {}
-    base = 0
-    for t in tables:
-        if not t.files:
-            continue  # wrote nothing
-        ids = [paths.setdefault(path, len(paths)) for path in t.files]
-        if ids and ids[-1] - ids[0] == len(ids) - 1 and ids[0] + len(ids) == len(paths):
-            file_ids = _int64(t.file_rows) + ids[0]  # its files are new (the usual case)
-        else:
-            file_ids = np.asarray(ids, dtype=np.int64)[_int64(t.file_rows)]
-        for joined, column in zip(
-            columns,
-            (file_ids, t.starts, t.lengths, t.has_checksum, t.crc_counts, t.crcs),
-        ):
-            joined.append(column)
-        places.update({base + row: at for row, at in t.checksum_places.items()})
-        base += len(t)
+    The tables are joined first (:meth:`ResultTable.concat`), then cut per file."""
+    table = ResultTable.concat([t for t in tables if t.files])  # (the others wrote nothing)
+    paths, places = table.files, table.checksum_places
     if not paths:
         return {}
-    file_ids, starts, lengths = (_int64(np.concatenate(c)) for c in columns[:3])
-    has = np.concatenate(columns[3]).astype(np.bool_, copy=False)
-    counts, crcs = (_int64(np.concatenate(c)) for c in columns[4:])
+    file_ids, starts, lengths = _int64(table.file_rows), _int64(table.starts), _int64(table.lengths)
+    has, crcs = table.has_checksum, _int64(table.crcs)
     sizes = np.zeros(len(paths), dtype=np.int64)
     np.maximum.at(sizes, file_ids, starts + lengths)
-    crc_starts = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=crc_starts[1:])
+    crc_starts = table._crc_starts()
     if places:  # a checksum over other bytes than its item's (none from our writers)
         starts, lengths = starts.copy(), lengths.copy()
         for row, (at, n) in places.items():
