@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import json.scanner
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
@@ -110,11 +110,24 @@ class JsonCursor:
             if not self._after("}"):
                 return
 
-    def elements(self) -> Iterator[Any]:
-        """The elements of the array at the cursor, each parsed whole."""
+    def elements(
+        self, select: tuple[re.Pattern[str], Container[str]] | None = None
+    ) -> Iterator[Any]:
+        """The elements of the array at the cursor, each parsed whole.
+
+        ``select=(pattern, wanted)``: an element that ``pattern`` matches (with the
+        comma after it, if any), whose group 1 is not in ``wanted``, is stepped over
+        without being parsed. ``pattern`` must match only valid JSON elements, so that
+        what is accepted stays what ``json.loads`` accepts. The other elements are
+        yielded: those it matches with group 1 in ``wanted``, and those it does not
+        match (the caller filters these).
+        """
         self._expect("[", "an array")
         if self.peek() == "]":
             self.pos += 1
+            return
+        if select is not None:
+            yield from self._selected(*select)
             return
         text, after = self.text, self._after
         while True:
@@ -125,6 +138,28 @@ class JsonCursor:
             if text[self.pos : self.pos + 1] == ",":  # the usual case, inline
                 self.pos += 1
             elif not after("]"):
+                return
+
+    def _selected(self, pattern: re.Pattern[str], wanted: Container[str]) -> Iterator[Any]:
+        text, match = self.text, pattern.match
+        while True:  # matched elements, then one parsed by the scanner
+            m = match(text, self.pos)
+            comma = True  # the next thing is an element
+            while m is not None:
+                if m.group(1) in wanted:
+                    value = _scan(text, m.start())[0]
+                    self.pos = m.end()
+                    yield value
+                self.pos = m.end()
+                comma = text[self.pos - 1] == ","
+                m = match(text, self.pos) if comma else None
+            if not comma and not self._after("]"):
+                return
+            if text[self.pos : self.pos + 1] in _SPACE:
+                self.peek()
+            value, self.pos = _scan(text, self.pos)
+            yield value
+            if not self._after("]"):
                 return
 
     def end(self) -> None:

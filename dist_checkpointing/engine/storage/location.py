@@ -252,8 +252,11 @@ class CheckpointDir:
         return self._memo.get(key)
 
     def forget(self, key: str) -> None:
-        """Drop what :meth:`memo` holds for ``key`` (the file it was read from changed)."""
+        """Drop what :meth:`memo` holds for ``key`` and for keys ``key#...`` (what was
+        read from file ``key``, which changed)."""
         self._memo.pop(key, None)
+        for other in [k for k in self._memo if k.startswith(key + "#")]:
+            del self._memo[other]
 
 
 class _MissingAware:

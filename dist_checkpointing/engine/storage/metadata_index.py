@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -225,11 +225,14 @@ def _mcore(mcore: object, present: bool) -> dict[str, Any] | None:
 CHECK_BUDGET = 64
 
 
-def metadata_from_index(location: CheckpointDir, metadata_bytes: bytes) -> Metadata | None:
+def metadata_from_index(
+    location: CheckpointDir, metadata_bytes: bytes, keys: Collection[str] | None = None
+) -> Metadata | None:
     """The checked ``Metadata`` of the checkpoint at ``location`` built from its index,
     or None where ``.metadata`` (``metadata_bytes``) must be parsed instead: no index,
     the ``METADATA_INDEX`` knob off, an index of another ``.metadata``, or chunks too
-    costly to check outside the parse guard.
+    costly to check outside the parse guard. With ``keys``, only the entries, items
+    and ``mcore_data`` of those keys (see :func:`decode_index`).
 
     Raises:
         CorruptCheckpointError: the index is malformed or describes a corrupt
@@ -239,7 +242,7 @@ def metadata_from_index(location: CheckpointDir, metadata_bytes: bytes) -> Metad
         return None
     source = location.path(INDEX_NAME)
     with gc_paused():  # ~10 objects per tensor, none of them garbage
-        metadata = decode_index(location.read_bytes(INDEX_NAME), metadata_bytes, source)
+        metadata = decode_index(location.read_bytes(INDEX_NAME), metadata_bytes, source, keys)
         if metadata is None:
             return None
         try:
@@ -250,10 +253,16 @@ def metadata_from_index(location: CheckpointDir, metadata_bytes: bytes) -> Metad
     return metadata
 
 
-def decode_index(data: bytes, metadata_bytes: bytes, source: str) -> Metadata | None:
+def decode_index(
+    data: bytes, metadata_bytes: bytes, source: str, keys: Collection[str] | None = None
+) -> Metadata | None:
     """The ``Metadata`` the index ``data`` describes, or None when it describes another
     ``.metadata`` than ``metadata_bytes`` (then parse those). Read a value at a time
     (:mod:`.metadata_index_reader`).
+
+    ``keys``: build only the entries, items and ``mcore_data`` of these keys (a load
+    that requests some of the checkpoint's tensors); the other elements are checked
+    to be JSON and stepped over. The result then describes part of the checkpoint.
 
     The JSON must have the right shape; the types and ranges of the values are then
     checked by :func:`..safety.metadata_check.check_metadata`, as for a parsed pickle
@@ -262,7 +271,7 @@ def decode_index(data: bytes, metadata_bytes: bytes, source: str) -> Metadata | 
     Raises:
         CorruptCheckpointError: naming ``source``, when the index is malformed.
     """
-    return read_index(data, metadata_bytes, source)
+    return read_index(data, metadata_bytes, source, keys)
 
 
 __all__ = [

@@ -297,7 +297,7 @@ class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
         self, by_key: dict[str, list[ShardedBase]], checkpoint_dir: str | os.PathLike[str]
     ) -> None:
         reader = FileSystemReader(CheckpointDir.of(checkpoint_dir))
-        metadata = reader.read_metadata()
+        metadata = reader.read_metadata_of(by_key)  # only these keys' parts
         is_coordinator = not dist.is_initialized() or dist.get_rank(self.process_group) == 0
         planner = MCoreLoadPlanner(
             object_loader(checkpoint_dir, trusted=self.trusted, allowed_types=self.allowed_types)
@@ -393,7 +393,7 @@ class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
     def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
         """The data files holding the items of ``keys`` (from ``.metadata``)."""
         ckpt = CheckpointDir.of(checkpoint_dir)
-        metadata = FileSystemReader(ckpt).read_metadata()
+        metadata = FileSystemReader(ckpt).read_metadata_of(keys)
         source = metadata_source(ckpt)
         return {
             ckpt.entry(info.relative_path, source=source)

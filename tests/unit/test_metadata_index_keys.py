@@ -1,0 +1,188 @@
+"""The metadata index read for some keys only (a pipeline stage's load).
+
+A read for ``keys`` gives exactly the entries, items and ``mcore_data`` of those keys
+that a whole read gives, for any metadata and any spelling of the JSON (compact as
+written, indented, escaped keys); text that ``json.loads`` refuses is refused however
+few keys are wanted; the reader keeps one part per checkpoint handle and reads the
+whole metadata for keys outside it.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import Metadata
+
+import dist_checkpointing as dcp
+from dist_checkpointing import ShardedTensor
+from dist_checkpointing.engine.storage.location import CheckpointDir
+from dist_checkpointing.engine.storage.metadata_index import INDEX_NAME, decode_index, encode_index
+from dist_checkpointing.engine.storage.reader import FileSystemReader, metadata_source
+from dist_checkpointing.errors import CorruptCheckpointError
+from tests.unit.test_metadata_index import (
+    BLOB,
+    _metadata,
+    _request,
+    _same,
+    _state,
+    _two_tensor_metadata,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _part(md: Metadata, keys: Collection[str]) -> Metadata:
+    """``md`` with only the entries, items and mcore_data of ``keys`` (built directly)."""
+    out = Metadata(
+        {k: v for k, v in md.state_dict_metadata.items() if k in keys},
+        storage_data={i: v for i, v in (md.storage_data or {}).items() if i.fqn in keys},
+        storage_meta=md.storage_meta,
+        version=md.version,
+    )
+    if "mcore_data" in vars(md):
+        mcore = md.mcore_data  # type: ignore[attr-defined]
+        out.mcore_data = {k: v for k, v in mcore.items() if k in keys}  # type: ignore[attr-defined]
+    return out
+
+
+_SPELLINGS = {
+    "as written": lambda data: data,
+    "indented": lambda data: json.dumps(json.loads(data), indent=1).encode(),
+    "spaced": lambda data: json.dumps(json.loads(data), separators=(", ", ": ")).encode(),
+    "raw unicode": lambda data: json.dumps(json.loads(data), ensure_ascii=False).encode(),
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(_metadata(), st.data(), st.sampled_from(sorted(_SPELLINGS)))
+def test_the_part_of_some_keys_is_exactly_theirs(md: Metadata, data: Any, spelling: str) -> None:
+    if getattr(md, "mcore_data", 0) is None:
+        return  # no index for mcore_data None
+    encoded = encode_index(md, BLOB)
+    assert encoded is not None
+    keys = set(data.draw(st.lists(st.sampled_from([*md.state_dict_metadata, "absent", ""]))))
+    got = decode_index(_SPELLINGS[spelling](encoded), BLOB, "idx", keys)
+    assert got is not None
+    _same(got, _part(md, keys))
+    # Every key wanted: the whole metadata, as without keys.
+    _same(decode_index(encoded, BLOB, "idx", set(md.state_dict_metadata)) or Metadata({}), md)
+
+
+def _mutations(text: str) -> st.SearchStrategy[str]:
+    """``text`` with one character replaced, deleted or inserted (JSON syntax chars,
+    digits, letters: what turns one element into another or into no JSON at all)."""
+    chars = st.sampled_from(list('[]{},:"0123456789-.e \\nulx'))
+    at = st.integers(0, len(text) - 1)
+    return st.one_of(
+        st.builds(lambda i, c: text[:i] + c + text[i + 1 :], at, chars),
+        st.builds(lambda i: text[:i] + text[i + 1 :], at),
+        st.builds(lambda i, c: text[:i] + c + text[i:], at, chars),
+    )
+
+
+def _big_index() -> str:
+    md = _two_tensor_metadata()
+    data = encode_index(md, BLOB)
+    assert data is not None
+    return data.decode()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_what_json_refuses_is_refused_whatever_is_wanted(data: Any) -> None:
+    text = data.draw(_mutations(_big_index()))
+    keys = data.draw(st.sampled_from([set(), {"v"}, {"w"}, {"o/shard_0_1"}, {"v", "w"}]))
+    try:
+        json.loads(text)
+    except ValueError:
+        with pytest.raises(CorruptCheckpointError, match="idx"):
+            decode_index(text.encode(), BLOB, "/ck/idx", keys)
+        return
+    try:  # JSON: a part, or our error about a malformed wanted element
+        decode_index(text.encode(), BLOB, "/ck/idx", keys)
+    except CorruptCheckpointError as exc:
+        assert "/ck/idx" in str(exc)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": [["k",1],]}',  # a trailing comma after a matched element
+        '{"a": [["k",1],,["k",2]]}',
+        '{"a": [["k",01]]}',  # a number json refuses
+        '{"a": [["k",1]["k",2]]}',  # no comma
+    ],
+)
+def test_a_selected_walk_refuses_what_json_refuses(text: str) -> None:
+    import re
+
+    from dist_checkpointing.engine.storage.json_stream import JsonCursor
+
+    pattern = re.compile(r'\["([a-z]*)",(?:0|[1-9][0-9]*)\],?')
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    cursor = JsonCursor(text)
+    with pytest.raises(json.JSONDecodeError):
+        for _ in cursor.members():
+            list(cursor.elements((pattern, {"x"})))
+
+
+def test_a_selected_walk_yields_the_wanted_and_the_unmatched() -> None:
+    import re
+
+    from dist_checkpointing.engine.storage.json_stream import JsonCursor
+
+    pattern = re.compile(r'\["([a-z]*)",(?:0|[1-9][0-9]*)\],?')
+    cursor = JsonCursor('[["a",1],["b",2], ["c",3] ,["d",4],["e", 5],["a",6]]')
+    got = list(cursor.elements((pattern, {"a", "d"})))
+    # c (spaces around it) and e (a space inside) are not matched: parsed and yielded.
+    assert got == [["a", 1], ["c", 3], ["d", 4], ["e", 5], ["a", 6]]
+    cursor.end()
+
+
+# ------------------------------------------------------------------ the reader
+
+
+def test_the_reader_keeps_one_part_and_reads_the_whole_for_other_keys(tmp_path: Path) -> None:
+    dcp.save(_state(1.0), tmp_path)
+    ckpt = CheckpointDir.of(str(tmp_path))
+    reader = FileSystemReader(ckpt)
+    part = reader.read_metadata_of({"v", "obj/shard_0_1"})
+    assert set(part.state_dict_metadata) == {"v", "obj/shard_0_1"}
+    assert {i.fqn for i in part.storage_data} == {"v", "obj/shard_0_1"}
+    assert metadata_source(ckpt).endswith(INDEX_NAME)
+    assert FileSystemReader(ckpt).read_metadata_of({"v"}) is part  # inside the part: kept
+    whole = FileSystemReader(ckpt).read_metadata_of({"w"})  # outside: the whole
+    assert set(whole.state_dict_metadata) == {"v", "w", "obj/shard_0_1"}
+    assert FileSystemReader(ckpt).read_metadata_of({"v"}) is whole
+    assert FileSystemReader(ckpt).read_metadata() is whole
+
+
+def test_a_rewritten_metadata_drops_the_part(tmp_path: Path) -> None:
+    dcp.save(_state(1.0), tmp_path)
+    ckpt = CheckpointDir.of(str(tmp_path))
+    part = FileSystemReader(ckpt).read_metadata_of({"v"})
+    ckpt.atomic_write(".metadata", pickle.dumps(FileSystemReader(str(tmp_path)).read_metadata()))
+    assert ckpt.memoized(".metadata#part") is None
+    assert FileSystemReader(ckpt).read_metadata_of({"v"}) is not part
+
+
+def test_a_load_of_some_keys_builds_only_theirs(tmp_path: Path) -> None:
+    dcp.save(_state(3.0), tmp_path, verify_integrity=True)
+    ckpt = CheckpointDir.of(str(tmp_path))
+    request = {"v": ShardedTensor.from_rank_offsets("v", torch.zeros(4))}
+    out = dcp.load(request, ckpt, verify_integrity=True)
+    assert torch.equal(out["v"], torch.arange(4.0) * 3)
+    assert ckpt.memoized(".metadata") is None  # never the whole
+    assert set(ckpt.memoized(".metadata#part").metadata.state_dict_metadata) == {"v"}
+    # Objects too (read through read_object_bytes), and a whole request.
+    out = dcp.load(_request(), CheckpointDir.of(str(tmp_path)))
+    assert out["o"] == {"fill": 3.0} and torch.equal(out["w"], torch.full((4, 6), 3.0))
