@@ -30,6 +30,9 @@ _scan_once: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
 )
 
 
+_scan_string: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
 def _scan(text: str, pos: int) -> tuple[Any, int]:
     """The value starting at ``pos`` and the position after it."""
     try:
@@ -115,12 +118,12 @@ class JsonCursor:
     ) -> Iterator[Any]:
         """The elements of the array at the cursor, each parsed whole.
 
-        ``select=(pattern, wanted)``: an element that ``pattern`` matches (with the
-        comma after it, if any), whose group 1 is not in ``wanted``, is stepped over
-        without being parsed. ``pattern`` must match only valid JSON elements, so that
-        what is accepted stays what ``json.loads`` accepts. The other elements are
-        yielded: those it matches with group 1 in ``wanted``, and those it does not
-        match (the caller filters these).
+        ``select=(tail, wanted)``: only the elements that are arrays starting with a
+        string (their key) in ``wanted`` are yielded, and those that are not arrays
+        starting with a string (for the caller to refuse). An element with another key
+        is stepped over without being parsed where ``tail`` matches what follows its
+        key, else parsed and dropped. ``tail`` must match only what completes a valid
+        JSON array, so that what is accepted stays what ``json.loads`` accepts.
         """
         self._expect("[", "an array")
         if self.peek() == "]":
@@ -140,26 +143,37 @@ class JsonCursor:
             elif not after("]"):
                 return
 
-    def _selected(self, pattern: re.Pattern[str], wanted: Container[str]) -> Iterator[Any]:
-        text, match = self.text, pattern.match
-        while True:  # matched elements, then one parsed by the scanner
-            m = match(text, self.pos)
-            comma = True  # the next thing is an element
-            while m is not None:
-                if m.group(1) in wanted:
-                    value = _scan(text, m.start())[0]
-                    self.pos = m.end()
-                    yield value
-                self.pos = m.end()
-                comma = text[self.pos - 1] == ","
-                m = match(text, self.pos) if comma else None
-            if not comma and not self._after("]"):
-                return
-            if text[self.pos : self.pos + 1] in _SPACE:
+    def _selected(self, tail: re.Pattern[str], wanted: Container[str]) -> Iterator[Any]:
+        text, match, after = self.text, tail.match, self._after
+        # After a wanted element the next is parsed at once (a run of wanted ones costs
+        # what a plain walk costs); after another, its key is read first.
+        parse = False
+        while True:
+            pos = self.pos
+            if not parse and text[pos : pos + 2] == '["':  # the key, by json's scanner
+                try:
+                    key, end = _scan_string(text, pos + 2)
+                except ValueError:  # not a string: parsed below, which raises json's error
+                    key, end = None, pos
+                if key is not None and key not in wanted and (skipped := match(text, end)):
+                    pos = skipped.end()
+                    if text[pos : pos + 1] == ",":  # the usual case, inline
+                        self.pos = pos + 1
+                        continue
+                    self.pos = pos
+                    if not after("]"):
+                        return
+                    continue
+            if text[pos : pos + 1] in _SPACE:
                 self.peek()
             value, self.pos = _scan(text, self.pos)
-            yield value
-            if not self._after("]"):
+            key = value[0] if type(value) is list and value else None
+            parse = type(key) is str and key in wanted
+            if parse or type(key) is not str:
+                yield value
+            if text[self.pos : self.pos + 1] == ",":
+                self.pos += 1
+            elif not after("]"):
                 return
 
     def end(self) -> None:
