@@ -127,3 +127,55 @@ def test_a_record_is_written_as_json_dumps_writes_it(
     ]  # fmt: skip
     record.install, record.data_files = {}, {f"__0_{i}.distcp": e for i, e in enumerate(entries)}
     assert CommitRecord.from_bytes(record.to_bytes(), "rec").data_files == record.data_files
+
+
+@settings(max_examples=100, deadline=None)
+@given(files=st.lists(ITEMS, max_size=3), big=st.integers(10**18, 2**63 - 1))
+def test_items_as_written_are_parsed_on_first_use_to_the_same_entry(
+    files: list[list[tuple[int, int, list[int]]]], big: int
+) -> None:
+    """Compact items are kept as text until used; they give what the item-by-item read
+    of the same record with whitespace gives, values of 19 digits included."""
+    record = CommitRecord(save_id="a" * 32, world_size=1, block_bytes=1 << 20)
+    for i, items in enumerate(files):
+        record.data_files[f"__0_{i}.distcp"] = DataFileEntry(
+            9, [ItemChecksum(o, n, list(b)) for o, n, b in items]
+        )
+    record.data_files["big.distcp"] = DataFileEntry(9, [ItemChecksum(big, big, [big])])
+    data = record.to_bytes()
+    lazy = CommitRecord.from_bytes(data, "rec")
+    spaced = CommitRecord.from_bytes(json.dumps(json.loads(data)).encode(), "rec")
+    assert type(lazy.data_files.pop("big.distcp")) is DataFileEntry  # read item by item
+    for i, items in enumerate(files):  # lazy where every value has at most 18 digits
+        short = all(max(o, n, *b) < 10**18 for o, n, b in items)
+        assert (type(lazy.data_files[f"__0_{i}.distcp"]).__name__ == "_LazyEntry") == short
+    assert all(type(e) is DataFileEntry for e in spaced.data_files.values() if len(e))
+    spaced.data_files.pop("big.distcp")
+    record.data_files.pop("big.distcp")
+    assert lazy.data_files == spaced.data_files == record.data_files
+    assert lazy.to_bytes() == record.to_bytes()
+
+
+def test_a_lazy_entry_is_parsed_once_for_threads_that_ask_together() -> None:
+    import threading
+
+    items = [ItemChecksum(100 * i, 50, [i, i + 1]) for i in range(3000)]
+    record = CommitRecord(save_id="a" * 32, world_size=1, block_bytes=1 << 20)
+    record.data_files["__0_0.distcp"] = DataFileEntry(9, items)
+    for _ in range(5):
+        entry = CommitRecord.from_bytes(record.to_bytes(), "rec").data_files["__0_0.distcp"]
+        found: list[Any] = []
+        start = threading.Barrier(8)
+
+        def look(
+            row: int, entry: Any = entry, start: Any = start, found: list[Any] = found
+        ) -> None:
+            start.wait()
+            found.append(entry.item_at(100 * row) == items[row] and len(entry) == 3000)
+
+        threads = [threading.Thread(target=look, args=(r * 300,)) for r in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert found == [True] * 8
