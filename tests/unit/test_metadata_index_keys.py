@@ -137,14 +137,15 @@ def test_a_selected_walk_refuses_what_json_refuses(text: str) -> None:
             list(cursor.elements((_TAIL, {"x"})))
 
 
-def test_a_selected_walk_yields_the_wanted_and_the_keyless() -> None:
+def test_a_selected_walk_yields_the_wanted_and_what_has_no_key() -> None:
     text = '[["a",1],["b",2], ["c",3] ,["d",4],["e", 5],["\\u00fc",6],7,[],[8],["a",9]]'
     cursor = JsonCursor(text)
     got = list(cursor.elements((_TAIL, {"a", "d", "ü"})))
-    # Wanted (an escaped key too), then what has no string key: the caller refuses it.
-    assert got == [["a", 1], ["d", 4], ["ü", 6], 7, [], [8], ["a", 9]]
+    # Wanted (an escaped key too), and what has no first item: the caller refuses it.
+    assert got == [["a", 1], ["d", 4], ["ü", 6], 7, [], ["a", 9]]
     cursor.end()
-    assert list(JsonCursor(text).elements((_TAIL, set()))) == [7, [], [8]]
+    assert list(JsonCursor(text).elements((_TAIL, set()))) == [7, []]
+    assert list(JsonCursor(text).elements((_TAIL, {8}))) == [7, [], [8]]
     assert list(JsonCursor(text).elements()) == json.loads(text)
 
 

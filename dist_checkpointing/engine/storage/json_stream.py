@@ -118,19 +118,20 @@ class JsonCursor:
     ) -> Iterator[Any]:
         """The elements of the array at the cursor, each parsed whole.
 
-        ``select=(tail, wanted)``: only the elements that are arrays starting with a
-        string (their key) in ``wanted`` are yielded, and those that are not arrays
-        starting with a string (for the caller to refuse). An element with another key
-        is stepped over without being parsed where ``tail`` matches what follows its
-        key, else parsed and dropped. ``tail`` must match only what completes a valid
-        JSON array, so that what is accepted stays what ``json.loads`` accepts.
+        ``select=(tail, wanted)``: only the elements whose first item (their key) is
+        in ``wanted`` are yielded, and those that have no first item (for the caller
+        to refuse). An element that is an array starting with a string not in
+        ``wanted`` is stepped over without being parsed where ``tail`` matches what
+        follows the string, else parsed and dropped (so is any other element whose
+        first item is not wanted). ``tail`` must match only what completes a valid JSON
+        array, so that what is accepted stays what ``json.loads`` accepts.
         """
-        self._expect("[", "an array")
-        if self.peek() == "]":
-            self.pos += 1
-            return
         if select is not None:
-            yield from self._selected(*select)
+            return self._selected(*select)
+        return self._elements()
+
+    def _elements(self) -> Iterator[Any]:
+        if not self._opened():
             return
         text, after = self.text, self._after
         while True:
@@ -143,10 +144,20 @@ class JsonCursor:
             elif not after("]"):
                 return
 
+    def _opened(self) -> bool:
+        """Past the ``[`` of an array: False where it is empty (then past it)."""
+        self._expect("[", "an array")
+        if self.peek() == "]":
+            self.pos += 1
+            return False
+        return True
+
     def _selected(self, tail: re.Pattern[str], wanted: Container[str]) -> Iterator[Any]:
+        if not self._opened():
+            return
         text, match, after = self.text, tail.match, self._after
         # After a wanted element the next is parsed at once (a run of wanted ones costs
-        # what a plain walk costs); after another, its key is read first.
+        # about what a plain walk costs); after another, its key is read first.
         parse = False
         while True:
             pos = self.pos
@@ -167,10 +178,14 @@ class JsonCursor:
             if text[pos : pos + 1] in _SPACE:
                 self.peek()
             value, self.pos = _scan(text, self.pos)
-            key = value[0] if type(value) is list and value else None
-            parse = type(key) is str and key in wanted
-            if parse or type(key) is not str:
+            try:
+                parse = value[0] in wanted
+            except (TypeError, LookupError):  # no first item (or an unhashable one)
+                parse = False
                 yield value
+            else:
+                if parse:
+                    yield value
             if text[self.pos : self.pos + 1] == ",":
                 self.pos += 1
             elif not after("]"):
