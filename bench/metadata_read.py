@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dist_checkpointing._torch_compat import StorageInfo
 from dist_checkpointing.engine.checkpoint.record import CommitRecord
-from dist_checkpointing.engine.storage.checksums import DataFileEntry
+from dist_checkpointing.engine.storage.item_checksums import DataFileEntry
 from dist_checkpointing.engine.storage.metadata_index import decode_index, encode_index
 
 

@@ -69,7 +69,7 @@ from dist_checkpointing.engine.sharding_split import (
     records_by_owner,
     structure_digest,
 )
-from dist_checkpointing.engine.storage.checksums import ItemChecksum
+from dist_checkpointing.engine.storage.item_checksums import ItemChecksum
 from dist_checkpointing.engine.storage.metadata_blob import metadata_bytes
 from dist_checkpointing.engine.storage.metadata_index import (
     CHECK_BUDGET,

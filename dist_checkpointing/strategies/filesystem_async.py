@@ -35,7 +35,7 @@ from ..engine import knobs
 from ..engine.storage import write_workers
 from ..engine.storage.base import FileSystemIO
 from ..engine.storage.bucketing import BucketLayout, build_buckets, data_file_prefix
-from ..engine.storage.checksums import DataFileEntry
+from ..engine.storage.item_checksums import DataFileEntry
 from ..engine.storage.location import CheckpointDir
 from ..engine.storage.metadata_blob import metadata_bytes
 from ..engine.storage.metadata_index import INDEX_NAME, encode_index

@@ -19,9 +19,9 @@ from dist_checkpointing.engine.storage.checksums import (
     BlockVerifier,
     ChecksumMismatch,
     ChecksumStream,
-    ItemChecksum,
     block_crcs,
 )
+from dist_checkpointing.engine.storage.item_checksums import ItemChecksum
 from dist_checkpointing.engine.storage.staging_pool import StagingPool, fill_from_host
 
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_checkpointing.engine.checkpoint.record import CommitRecord
-from dist_checkpointing.engine.storage.checksums import DataFileEntry, ItemChecksum
+from dist_checkpointing.engine.storage.item_checksums import DataFileEntry, ItemChecksum
 from dist_checkpointing.errors import CorruptCheckpointError
 
 ITEMS = st.lists(

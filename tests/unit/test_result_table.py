@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dist_checkpointing._torch_compat import StorageInfo
-from dist_checkpointing.engine.storage.checksums import DataFileEntry, ItemChecksum
+from dist_checkpointing.engine.storage.item_checksums import DataFileEntry, ItemChecksum
 from dist_checkpointing.engine.storage.result_table import ResultTable, data_files_from_tables
 
 FILES = ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp"]

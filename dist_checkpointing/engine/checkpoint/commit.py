@@ -50,7 +50,8 @@ from ...errors import (
 )
 from .. import knobs
 from ..collectives import RankGroup, describe_error
-from ..storage.checksums import DataFileEntry, FileEntry, ItemChecksum, block_size
+from ..storage.checksums import FileEntry, block_size
+from ..storage.item_checksums import DataFileEntry, ItemChecksum
 from ..storage.location import CheckpointDir
 from . import lock
 from .record import COMMIT_RECORD, CommitRecord

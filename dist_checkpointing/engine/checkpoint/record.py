@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..storage.checksums import ALGORITHM, DataFileEntry, FileEntry
+from ..storage.checksums import ALGORITHM, FileEntry
+from ..storage.item_checksums import DataFileEntry
 from ..storage.json_stream import JsonCursor, json_text
 from ..storage.names import safe_name
 

@@ -21,7 +21,8 @@ from ..collectives import ProcessGroup, RankGroup
 from ..raw.index import INDEX_NAME as RAW_INDEX
 from ..raw.index import parse_index, raw_items_by_file
 from ..storage.base import ReadStream
-from ..storage.checksums import DataFileEntry, FileEntry, ItemChecksum, crc
+from ..storage.checksums import FileEntry, crc
+from ..storage.item_checksums import DataFileEntry, ItemChecksum
 from ..storage.location import CheckpointDir
 from .commit import COMMIT_MARKER, open_for_read
 from .record import CommitRecord

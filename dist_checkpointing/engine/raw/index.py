@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ...errors import CorruptCheckpointError
-from ..storage.checksums import ItemChecksum
+from ..storage.item_checksums import ItemChecksum
 from ..storage.names import safe_name
 
 INDEX_NAME = ".raw_index"

@@ -33,7 +33,7 @@ from .. import knobs
 from ..async_save.request import AsyncRequest
 from ..collectives import RankGroup
 from ..process import format_current_exception
-from ..storage.checksums import DataFileEntry
+from ..storage.item_checksums import DataFileEntry
 from ..storage.location import CheckpointDir
 from ..storage.write_workers import FileResultsQueue
 from .index import INDEX_NAME, IndexPiece, merge_pieces

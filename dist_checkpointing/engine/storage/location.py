@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from .base import FileSystemIO, ReadStream
-from .checksums import DataFileEntry, ItemChecksum
+from .item_checksums import DataFileEntry, ItemChecksum
 from .names import safe_name
 from .resolve import filesystem_for
 

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._torch_compat import StorageInfo
-from .checksums import DataFileEntry, ItemChecksum
+from .item_checksums import DataFileEntry, ItemChecksum
 
 # One row: key, chunk offset (a tuple, or None), size in bytes, file, offset in the file,
 # length, transform descriptors, item checksum (or None): the fields of a WriteResult.

@@ -13,7 +13,7 @@ from typing import Any
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...errors import CheckpointWriteError
-from .checksums import DataFileEntry
+from .item_checksums import DataFileEntry
 from .result_table import ResultTable, data_files_from_tables
 
 logger = logging.getLogger(__name__)

@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._torch_compat import StorageInfo
 from ..process import child_context, describe_exit, gc_paused, in_caller, traceback_text
 from .base import FileSystemIO
-from .checksums import ChecksumStream, ItemChecksum
+from .checksums import ChecksumStream
 from .host_staging import StagingStep, TensorSlot
+from .item_checksums import ItemChecksum
 from .item_codec import decode_tensor_items, encode_tensor_items
 from .resolve import filesystem_for
 from .staging_pool import TensorItemWriter
