@@ -1,16 +1,19 @@
 """What one rank of a load spends reading a ``torch_dist`` checkpoint's metadata files.
 
-    python bench/metadata_read.py [--tensors 100000] [--stages 1 2 4 8] [--repeat 6]
+    python bench/metadata_read.py [--tensors 100000] [--chunks 1] [--stages 1 2 4 8]
+                                  [--repeat 6]
 
 Builds, in one process, the JSON metadata index (``.metadata_index.json``) and the
-commit record (``commit.json``) of a checkpoint of ``--tensors`` one-chunk tensors
-saved by ``max(--stages)`` ranks (one data file each), then times what a loading rank
-does with them:
+commit record (``commit.json``) of a checkpoint of ``--tensors`` tensors, each in
+``--chunks`` row blocks (tensor parallelism), saved by ``max(--stages)`` ranks (one data
+file each), then times what a loading rank does with them:
 
-- ``index, whole``: ``decode_index`` of every key (``read_metadata``, and a rank that
-  requests every tensor: tensor parallelism);
+- ``index, whole``: ``decode_index`` of every key, every item built (``read_metadata``);
 - ``index, 1/S``: ``decode_index`` of the keys of one of ``S`` pipeline stages (a
-  contiguous quarter of the layers for ``S = 4``), as ``read_metadata_of`` does;
+  contiguous quarter of the layers for ``S = 4``), as ``read_metadata_of`` does, then
+  the items of the first row block of each of them built (``PendingItems.prepare``, as
+  the reader does for the reads a load planned): with ``S = 1``, a tensor-parallel rank
+  that requests every key;
 - ``record``: ``CommitRecord.from_bytes``, then the first use of one data file's
   checksums (the files a rank reads are parsed when first used).
 
@@ -43,19 +46,23 @@ from dist_checkpointing.engine.storage.item_checksums import DataFileEntry
 from dist_checkpointing.engine.storage.metadata_index import decode_index, encode_index
 
 
-def _checkpoint(tensors: int, files: int) -> tuple[Metadata, bytes, bytes, list[str]]:
-    """Metadata, its pickle, its index and the keys in order, of ``tensors`` tensors
-    of 256 floats written to ``files`` data files in contiguous runs."""
+def _checkpoint(tensors: int, files: int, blocks: int) -> tuple[Metadata, bytes, bytes, list[str]]:
+    """Metadata, its pickle, its index and the keys in order, of ``tensors`` tensors of
+    ``blocks`` x 256 floats in ``blocks`` row blocks, written to ``files`` data files."""
     entries, storage = {}, {}
     props = TensorProperties(dtype=torch.float32)
-    size, zero = torch.Size([256]), torch.Size([0])
-    chunk = ChunkStorageMetadata(zero, size)
+    size, block = torch.Size([blocks, 256]), torch.Size([1, 256])
+    chunks = [ChunkStorageMetadata(torch.Size([b, 0]), block) for b in range(blocks)]
     keys = [f"decoder.layers.{i // 8}.mlp.linear_fc{i % 8}.weight" for i in range(tensors)]
-    per_file = -(-tensors // files)
+    per_file = -(-tensors * blocks // files)
     for i, key in enumerate(keys):
-        entries[key] = TensorStorageMetadata(props, size, [chunk])
-        name = f"__{i // per_file}_0.distcp"
-        storage[MetadataIndex(key, zero)] = StorageInfo(name, (i % per_file) * 1536, 1536)
+        entries[key] = TensorStorageMetadata(props, size, chunks)
+        for b, chunk in enumerate(chunks):
+            n = i * blocks + b
+            name = f"__{n // per_file}_0.distcp"
+            storage[MetadataIndex(key, chunk.offsets)] = StorageInfo(
+                name, (n % per_file) * 1536, 1536
+            )
     md = Metadata(entries, storage_data=storage)
     md.mcore_data = {k: {} for k in keys}  # type: ignore[attr-defined]
     blob = pickle.dumps(md)
@@ -79,6 +86,16 @@ def _record(tensors: int, files: int) -> bytes:
     return record.to_bytes()
 
 
+def _stage(index: bytes, blob: bytes, keys: set[str], reads: list[MetadataIndex]) -> Metadata:
+    """The metadata of ``keys`` with the items of ``reads`` built."""
+    md = decode_index(index, blob, "idx", keys)
+    assert md is not None
+    prepare = getattr(md.storage_data, "prepare", None)
+    if prepare is not None:
+        prepare(reads)
+    return md
+
+
 def _times(fn: Callable[[], object], repeat: int) -> str:
     out = []
     for _ in range(repeat):
@@ -95,15 +112,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tensors", type=int, default=100_000)
+    parser.add_argument("--chunks", type=int, default=1, help="row blocks per tensor")
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeat", type=int, default=6)
     args = parser.parse_args()
     files = max(args.stages)
-    _, blob, index, keys = _checkpoint(args.tensors, files)
-    record = _record(args.tensors, files)
+    _, blob, index, keys = _checkpoint(args.tensors, files, args.chunks)
+    record = _record(args.tensors * args.chunks, files)
     print(
-        f"{args.tensors} tensors, {files} data files; index {len(index) / 1e6:.1f} MB, "
-        f"record {len(record) / 1e6:.1f} MB"
+        f"{args.tensors} tensors of {args.chunks} chunk(s), {files} data files; "
+        f"index {len(index) / 1e6:.1f} MB, record {len(record) / 1e6:.1f} MB"
     )
     print(f"{'step':<22} {'min ms':>9} {'median ms':>9}")
     gc.disable()
@@ -112,7 +130,8 @@ def main() -> None:
         print(f"{'index, whole':<22} {whole}")
         for stages in args.stages:
             part = set(keys[: -(-len(keys) // stages)])
-            timed = _times(lambda p=part: decode_index(index, blob, "idx", p), args.repeat)
+            reads = [MetadataIndex(k, torch.Size([0, 0])) for k in part]
+            timed = _times(lambda p=part, r=reads: _stage(index, blob, p, r), args.repeat)
             print(f"{'index, 1/' + str(stages):<22} {timed}")
 
         def first_use() -> None:

@@ -71,6 +71,10 @@ def _stage_loads(ckpt: str) -> list[str]:
     part = handle.memoized(".metadata#part")
     assert handle.memoized(".metadata") is None and part is not None
     held = sorted(part.metadata.state_dict_metadata)
+    # The items built (all of the part's here: the reads are most of them) are those
+    # of the requested keys.
+    built = {i.fqn for i in part.metadata.storage_data}
+    assert built == {*_stage_keys(other), "embedding", f"stage{other}/shard_0_1"}
     # Strict modes that compare with the checkpoint's keys see all of them (same handle):
     # every rank requests stage 0 and a key that is not stored.
     request = _request(0, fill=False, replica=rank)

@@ -20,13 +20,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.engine.storage.json_stream import JsonCursor
 from dist_checkpointing.engine.storage.location import CheckpointDir
 from dist_checkpointing.engine.storage.metadata_index import INDEX_NAME, decode_index, encode_index
+from dist_checkpointing.engine.storage.metadata_index_items import SELECTIVE, PendingItems
 from dist_checkpointing.engine.storage.reader import FileSystemReader, metadata_source
 from dist_checkpointing.errors import CorruptCheckpointError
 from tests.unit.test_metadata_index import (
@@ -59,7 +60,9 @@ _SPELLINGS = {
     "as written": lambda data: data,
     "indented": lambda data: json.dumps(json.loads(data), indent=1).encode(),
     "spaced": lambda data: json.dumps(json.loads(data), separators=(", ", ": ")).encode(),
-    "raw unicode": lambda data: json.dumps(json.loads(data), ensure_ascii=False).encode(),
+    "raw unicode": lambda data: json.dumps(
+        json.loads(data), ensure_ascii=False, separators=(",", ":")
+    ).encode(),
 }
 
 
@@ -73,9 +76,29 @@ def test_the_part_of_some_keys_is_exactly_theirs(md: Metadata, data: Any, spelli
     keys = set(data.draw(st.lists(st.sampled_from([*md.state_dict_metadata, "absent", ""]))))
     got = decode_index(_SPELLINGS[spelling](encoded), BLOB, "idx", keys)
     assert got is not None
-    _same(got, _part(md, keys))
+    expected = _part(md, keys)
+    _built(got, list(expected.storage_data or {})[:: data.draw(st.integers(1, 3))])
+    _same(got, expected)
     # Every key wanted: the whole metadata, as without keys.
-    _same(decode_index(encoded, BLOB, "idx", set(md.state_dict_metadata)) or Metadata({}), md)
+    whole = decode_index(encoded, BLOB, "idx", set(md.state_dict_metadata)) or Metadata({})
+    _built(whole, list(md.storage_data or {}))
+    _same(whole, md)
+
+
+def _built(md: Metadata, some: list[MetadataIndex]) -> None:
+    """Where the items are pending (the index as written): ``prepare(some)`` builds
+    exactly those (all, where they are most), ``len`` builds them all; then a dict,
+    for comparing."""
+    storage = md.storage_data
+    if isinstance(storage, PendingItems):
+        storage.prepare(some)
+        if len(some) > SELECTIVE * storage._count:  # most of them: all built at once
+            assert storage._text is None
+        else:
+            assert list(storage._built) == some  # in file order, as asked here
+        len(storage)  # every item, now
+        md.storage_data = dict(storage)
+    assert type(md.storage_data) is dict
 
 
 def _mutations(text: str) -> st.SearchStrategy[str]:
@@ -104,14 +127,20 @@ def test_what_json_refuses_is_refused_whatever_is_wanted(data: Any) -> None:
     keys = data.draw(st.sampled_from([set(), {"v"}, {"w"}, {"o/shard_0_1"}, {"v", "w"}]))
     try:
         json.loads(text)
-    except ValueError:
+    except ValueError:  # refused by the read, or (the items array) when its items are used
         with pytest.raises(CorruptCheckpointError, match="idx"):
-            decode_index(text.encode(), BLOB, "/ck/idx", keys)
+            _read_and_use(text, keys)
         return
     try:  # JSON: a part, or our error about a malformed wanted element
-        decode_index(text.encode(), BLOB, "/ck/idx", keys)
+        _read_and_use(text, keys)
     except CorruptCheckpointError as exc:
         assert "/ck/idx" in str(exc)
+
+
+def _read_and_use(text: str, keys: set[str]) -> None:
+    md = decode_index(text.encode(), BLOB, "/ck/idx", keys)
+    if md is not None and md.storage_data is not None:
+        len(md.storage_data)  # pending items: built (and their array checked) now
 
 
 _TAIL = re.compile(r",(?:0|[1-9][0-9]*)\]")  # what follows the key: one int
@@ -183,7 +212,102 @@ def test_a_load_of_some_keys_builds_only_theirs(tmp_path: Path) -> None:
     out = dcp.load(request, ckpt, verify_integrity=True)
     assert torch.equal(out["v"], torch.arange(4.0) * 3)
     assert ckpt.memoized(".metadata") is None  # never the whole
-    assert set(ckpt.memoized(".metadata#part").metadata.state_dict_metadata) == {"v"}
+    part = ckpt.memoized(".metadata#part").metadata
+    assert set(part.state_dict_metadata) == {"v"}
+    assert [i.fqn for i in part.storage_data._built] == ["v"]  # the item read, no other
+    assert FileSystemReader(ckpt).files_of({"v"}) == FileSystemReader(str(tmp_path)).files_of({"v"})
+    whole = FileSystemReader(str(tmp_path))
+    whole.read_metadata()
+    assert whole.files_of({"v", "w"}) == FileSystemReader(ckpt).files_of({"v", "w"})
     # Objects too (read through read_object_bytes), and a whole request.
     out = dcp.load(_request(), CheckpointDir.of(str(tmp_path)))
     assert out["o"] == {"fill": 3.0} and torch.equal(out["w"], torch.full((4, 6), 3.0))
+
+
+# ------------------------------------------------------------------ items built on demand
+
+
+def _row_blocks(keys: list[str], blocks: int = 8) -> Metadata:
+    """Tensors of ``blocks`` row blocks each (tensor parallelism), a file per block."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from dist_checkpointing._torch_compat import StorageInfo
+
+    chunks = [ChunkStorageMetadata(torch.Size([b, 0]), torch.Size([1, 4])) for b in range(blocks)]
+    entries: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for n, key in enumerate(keys):
+        props = TensorProperties(dtype=torch.float32)
+        entries[key] = TensorStorageMetadata(props, torch.Size([blocks, 4]), chunks)
+        for b, c in enumerate(chunks):
+            storage[MetadataIndex(key, c.offsets)] = StorageInfo(f"__{b}_0.distcp", 64 * n, 64)
+    md = Metadata(entries, storage_data=storage)
+    md.mcore_data = {k: {} for k in keys}  # type: ignore[attr-defined]
+    return md
+
+
+_KEYS = [f"layer.{i}" for i in range(10)] + ["ü.weight", 'quote".w']
+
+
+@pytest.mark.parametrize("spelling", sorted(_SPELLINGS))
+def test_a_tensor_parallel_rank_builds_the_items_it_reads(spelling: str) -> None:
+    md = _row_blocks(_KEYS)
+    data = _SPELLINGS[spelling](encode_index(md, BLOB) or b"")
+    wanted = set(_KEYS[::2]) | {"ü.weight", 'quote".w'}
+    got = decode_index(data, BLOB, "/ck/idx", wanted)
+    assert got is not None
+    storage = got.storage_data
+    reads = [MetadataIndex(k, torch.Size([3, 0])) for k in sorted(wanted)]  # block 3 each
+    expected = _part(md, wanted).storage_data
+    assert expected is not None
+    if spelling in ("indented", "spaced"):  # another layout: read at once, as before
+        assert type(storage) is dict and storage == expected
+        return
+    assert isinstance(storage, PendingItems)
+    storage.prepare(reads)
+    assert storage._text is not None
+    assert {i.fqn for i in storage._built} == wanted  # "ü" found however it is spelled
+    assert all(tuple(i.offset) == (3, 0) for i in storage._built)
+    assert [storage[r] for r in reads if r in storage._built] == [
+        expected[r] for r in reads if r in storage._built
+    ]
+    # The files of some keys without building anything more; a lookup of an item not
+    # prepared builds them all, in the order of the file.
+    built = len(storage._built)
+    assert storage.files_of({"layer.0"}) == {f"__{b}_0.distcp" for b in range(8)}
+    assert len(storage._built) == built
+    assert (
+        storage[MetadataIndex("layer.2", torch.Size([5, 0]))]
+        == expected[MetadataIndex("layer.2", torch.Size([5, 0]))]
+    )
+    assert storage._text is None and list(storage.items()) == list(expected.items())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.replace(",0,0,64]", ",9,0,64]", 1), "malformed entry"),  # no file 9
+        (lambda t: t.replace('"items":[[', '"items":[7,[', 1), "idx"),  # not an item
+        (lambda t: t.replace('"items":[[', '"items":[ [', 1), "idx"),  # spaced: scanned
+        (lambda t: t.replace(']],"mcore_data"', ']]],"mcore_data"', 1), "idx"),  # unbalanced
+    ],
+)
+def test_a_damaged_items_array_is_refused_when_used(change: Any, message: str) -> None:
+    md = _row_blocks(_KEYS[:3], blocks=2)
+    text = change((encode_index(md, BLOB) or b"").decode())
+    try:
+        got = decode_index(text.encode(), BLOB, "/ck/idx", {"layer.0"})
+    except CorruptCheckpointError as exc:  # refused by the read itself
+        assert "/ck/idx" in str(exc) and message in ("idx", "malformed entry")
+        return
+    assert got is not None and got.storage_data is not None
+    storage = got.storage_data
+    with pytest.raises(CorruptCheckpointError, match=message):
+        if isinstance(storage, PendingItems):
+            storage.prepare([MetadataIndex("layer.0", torch.Size([0, 0]))])
+        len(storage)
+        raise CorruptCheckpointError("/ck/idx: not refused")  # (a dict: json took it)

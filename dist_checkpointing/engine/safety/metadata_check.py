@@ -183,11 +183,15 @@ class _Checker:
         raise self.fail(where, f"malformed entry {_short(info)}")  # pragma: no cover
 
 
-def check_metadata(metadata: Metadata, source: str, *, budget: int | None = None) -> None:
+def check_metadata(
+    metadata: Metadata, source: str, *, budget: int | None = None, storage: bool = True
+) -> None:
     """Refuse a ``.metadata`` whose fields have the wrong types or are inconsistent.
 
     ``budget``: at most that many pair comparisons per chunk of a tensor in the overlap
     check (None: no bound; a parse in the forked CPU-time guard needs none).
+    ``storage=False``: leave ``storage_data`` to whoever builds it later (the items of
+    an index read for some keys, checked as they are built).
 
     Raises:
         CorruptCheckpointError: naming ``source`` and the offending key.
@@ -202,7 +206,8 @@ def check_metadata(metadata: Metadata, source: str, *, budget: int | None = None
             check.tensor(key, md)
         elif type(md) is not BytesStorageMetadata:
             raise check.fail(f"key {key[:200]!r}", f"entry is {_short(md)}")
-    check.storage(vars(metadata).get("storage_data"))
+    if storage:
+        check.storage(vars(metadata).get("storage_data"))
     storage_meta = vars(metadata).get("storage_meta")
     if storage_meta is not None and type(storage_meta) is not StorageMeta:
         raise check.fail("storage_meta", f"expected a StorageMeta, found {_short(storage_meta)}")

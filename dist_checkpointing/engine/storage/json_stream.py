@@ -30,7 +30,9 @@ _scan_once: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
 )
 
 
-_scan_string: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+# json's string scanner: the string starting after the quote at ``pos``, and the
+# position after its closing quote (ValueError where it is not a JSON string).
+scan_string: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 
 
 def _scan(text: str, pos: int) -> tuple[Any, int]:
@@ -59,6 +61,7 @@ class JsonCursor:
     def __init__(self, text: str) -> None:
         self.text = text
         self.pos = 0
+        self.dropped = 0  # elements a selected walk did not yield (see elements)
 
     def peek(self) -> str:
         """The next character that is not whitespace ("" at the end)."""
@@ -125,6 +128,7 @@ class JsonCursor:
         follows the string, else parsed and dropped (so is any other element whose
         first item is not wanted). ``tail`` must match only what completes a valid JSON
         array, so that what is accepted stays what ``json.loads`` accepts.
+        :attr:`dropped` counts the elements not yielded.
         """
         if select is not None:
             return self._selected(*select)
@@ -163,10 +167,11 @@ class JsonCursor:
             pos = self.pos
             if not parse and text[pos : pos + 2] == '["':  # the key, by json's scanner
                 try:
-                    key, end = _scan_string(text, pos + 2)
+                    key, end = scan_string(text, pos + 2)
                 except ValueError:  # not a string: parsed below, which raises json's error
                     key, end = None, pos
                 if key is not None and key not in wanted and (skipped := match(text, end)):
+                    self.dropped += 1
                     pos = skipped.end()
                     if text[pos : pos + 1] == ",":  # the usual case, inline
                         self.pos = pos + 1
@@ -186,6 +191,8 @@ class JsonCursor:
             else:
                 if parse:
                     yield value
+                else:
+                    self.dropped += 1
             if text[self.pos : self.pos + 1] == ",":
                 self.pos += 1
             elif not after("]"):
@@ -197,4 +204,4 @@ class JsonCursor:
             raise json.JSONDecodeError("extra data", self.text, self.pos)
 
 
-__all__ = ["JsonCursor", "json_text"]
+__all__ = ["JsonCursor", "json_text", "scan_string"]

@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Collection, Iterable
-from itertools import repeat
+from collections.abc import Callable, Collection, Iterable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..._torch_compat import StorageInfo
 from ...errors import CorruptCheckpointError
 from .checksums import crc
 from .json_stream import JsonCursor, json_text
-from .metadata_parts import SharedParts, index_at
+from .metadata_index_items import INTS, SKIP_ITEM, PendingItems, build_item, items_end
+from .metadata_parts import SharedParts
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,13 +59,9 @@ _HEAD = frozenset({"format", "version", "metadata"})
 _BODY = frozenset({"entries", "files", "items", "mcore_data"})
 WHOLE = object()  # see _Reader.stream
 
-# What follows the key of an element in the exact compact JSON the index writer makes
-# (an element spelled otherwise is parsed instead of skipped). Possessive quantifiers
-# (no backtracking to remember): about 20% faster matches.
-_INT = "(?:0|[1-9][0-9]*+)"
-_INTS = rf"\[(?:{_INT}(?:,{_INT})*+)?\]"
-_SKIP_ENTRY = re.compile(rf'(?:,"[a-z0-9_]++",{_INTS},\[(?:{_INTS}(?:,{_INTS})*+)?\])?\]')
-_SKIP_ITEM = re.compile(rf",(?:{_INTS}|null),(?:{_INT}|null),{_INT},{_INT},{_INT}\]")
+# What follows the key of an entry in the exact compact JSON the index writer makes
+# (an element spelled otherwise is parsed instead of skipped); items: SKIP_ITEM.
+_SKIP_ENTRY = re.compile(rf'(?:,"[a-z0-9_]++",{INTS},\[(?:{INTS}(?:,{INTS})*+)?\])?\]')
 
 
 def read_index(
@@ -138,13 +134,25 @@ class _Reader:
         if not self.header(head):
             return None
         entries = self.converted(self.entries, cursor.elements(self.select(_SKIP_ENTRY)))
+        lazy = self.wanted is not None  # the items built when the load asks for them
+        if not cursor.dropped:
+            self.wanted = None  # every entry was wanted: so is every item (no filtering)
         if next(members, None) != "files":
             return WHOLE
         files = cursor.value()
         self.check_files(files)
         if next(members, None) != "items" or cursor.peek() != "[":
             return WHOLE
-        items = self.converted(self.items, cursor.elements(self.select(_SKIP_ITEM)), files)
+        end = items_end(cursor.text, cursor.pos) if lazy else -1
+        items: Mapping[MetadataIndex, Any]
+        if end > 0:
+            build = (self.keys, self.parts, files)
+            count = sum(len(getattr(md, "chunks", ())) or 1 for md in entries.values())
+            span = (cursor.pos, end)
+            items = PendingItems(cursor.text, span, self.wanted, count, build, self.source)
+            cursor.pos = end
+        else:
+            items = self.converted(self.items, cursor.elements(self.select(SKIP_ITEM)), files)
         key = next(members, None)
         mcore = None
         if key == "mcore_data":  # small values: parsed whole, in one call of the scanner
@@ -219,13 +227,13 @@ class _Reader:
         return state_dict_metadata
 
     def items(self, items: Iterable[Any], files: list[str]) -> dict[MetadataIndex, Any]:
-        return dict(map(self.item, items, repeat(files)))
+        return dict(map(partial(build_item, self.keys, self.parts, files), items))
 
     def build(
         self,
         doc: dict[str, Any],
         entries: dict[str, Any],
-        storage: dict[MetadataIndex, Any],
+        storage: Mapping[MetadataIndex, Any],
         mcore: dict[str, Any] | None,
     ) -> Metadata:
         version = doc.get("dcp_version")
@@ -258,16 +266,6 @@ class _Reader:
         chunks = [chunk(box[:n], box[n:]) for box in boxes]
         properties = self.parts.properties(DTYPES[dtype])
         return key, TensorStorageMetadata(properties, self.parts.size(size), chunks)
-
-    def item(self, item: list[Any], files: list[str]) -> tuple[MetadataIndex, Any]:
-        fqn, offset, index, file, start, length = item
-        if type(fqn) is not str:
-            raise ValueError(f"an item's key is {type(fqn).__name__}, not a string")
-        if type(file) is not int or file < 0 or (index is not None and type(index) is not int):
-            raise ValueError(f"storage of {str(fqn)[:200]!r}: malformed file or index")
-        info = StorageInfo(files[file], start, length)
-        shared = None if offset is None else self.parts.size(offset)
-        return index_at(self.keys.get(fqn, fqn), shared, index), info
 
     def storage_meta(self, meta: object) -> StorageMeta | None:
         if meta is None:

@@ -41,6 +41,7 @@ from .item_reader import parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
 from .metadata_index import INDEX_NAME, metadata_from_index
+from .metadata_index_items import PendingItems
 from .read_spans import LARGE_READ_BYTES, span_bytes, split_spans
 from .resolve import is_url
 from .staging_pool import callers_stream
@@ -169,6 +170,20 @@ class FileSystemReader(StorageReader):
             return self._stamped(read)
         return self.read_metadata()
 
+    def files_of(self, keys: Collection[str]) -> set[str]:
+        """The data files (checked names) holding items of ``keys``, from the metadata
+        of those keys (:meth:`read_metadata_of`; item locations not built for this
+        where they are pending)."""
+        storage = self.read_metadata_of(keys).storage_data
+        if storage is None:  # (not "or {}": the truth of PendingItems builds them all)
+            return set()
+        source = self._metadata_path()
+        if isinstance(storage, PendingItems):
+            names = storage.files_of(keys)
+        else:
+            names = {info.relative_path for index, info in storage.items() if index.fqn in keys}
+        return {self.location.entry(name, source=source) for name in names}
+
     def _stamped(self, read: _ReadMetadata) -> Metadata:
         metadata = read.metadata
         if getattr(metadata, "storage_meta", None) is None:
@@ -217,6 +232,9 @@ class FileSystemReader(StorageReader):
         """Read every item of ``plan`` into the planner; a completed Future."""
         per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
         total = 0  # bytes of every item read
+        prepare = getattr(self.storage_data, "prepare", None)  # PendingItems: build these
+        if prepare is not None:
+            prepare(read_item.storage_index for read_item in plan.items)
         for read_item in plan.items:
             try:
                 info = self.storage_data[read_item.storage_index]
@@ -402,7 +420,8 @@ def read_object_bytes(
     """
     reader = FileSystemReader(checkpoint_dir)
     metadata = reader.read_metadata_of((key,))
-    info = (metadata.storage_data or {}).get(MetadataIndex(key))
+    storage = metadata.storage_data
+    info = None if storage is None else storage.get(MetadataIndex(key))
     if info is None:
         return None, f"{reader.path}: no item {key!r}"
     name = reader.location.entry(info.relative_path, source=reader._metadata_path())

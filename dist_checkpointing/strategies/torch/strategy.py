@@ -392,14 +392,7 @@ class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
 
     def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
         """The data files holding the items of ``keys`` (from ``.metadata``)."""
-        ckpt = CheckpointDir.of(checkpoint_dir)
-        metadata = FileSystemReader(ckpt).read_metadata_of(keys)
-        source = metadata_source(ckpt)
-        return {
-            ckpt.entry(info.relative_path, source=source)
-            for index, info in (metadata.storage_data or {}).items()
-            if index.fqn in keys
-        }
+        return FileSystemReader(CheckpointDir.of(checkpoint_dir)).files_of(keys)
 
 
 def _data_file_names(ckpt: CheckpointDir, metadata: Metadata) -> dict[int, str]:
