@@ -4,13 +4,18 @@ when a load asks for them.
 A load of some keys needs all the chunks of those keys (to plan its reads) but the
 locations of the chunks it reads only: with tensor parallelism of 8, an eighth of a
 key's items; with a distributed optimizer's flat shards over 64 data-parallel ranks, a
-64th. :class:`PendingItems` keeps the index's ``items`` array as text, checked by one
-regular expression (:data:`ITEMS_ARRAY`) to be exactly the JSON the index writer makes,
-and builds in one pass the items a load asks for (:meth:`PendingItems.prepare`). Any
-other use (a lookup of an item not prepared, iteration, ``len``) first builds every item
-of the wanted keys, so that it answers as the dict of them would. Built items are
-checked as ``check_metadata`` checks ``storage_data``. Its truth value (``items or
-{}``) counts the items, which builds them all: compare with None instead.
+64th. :class:`PendingItems` keeps the index's ``items`` array as text (its end found by
+:func:`items_end`) and builds in one pass the items a load planned
+(:meth:`PendingItems.prepare`): each item's key is read by ``json``'s string scanner;
+the items of other keys are stepped over (:data:`SKIP_ITEM`), those of the planned keys
+matched as the writer spells them and built where their offsets were planned. Where the
+planned reads are most of the wanted keys' items, where an item is spelled otherwise,
+and for any other use (a lookup of an item not prepared, iteration, ``len``), every item
+of the wanted keys is built by the JSON scanner, so that the mapping answers as the dict
+of them would. The array is checked as it is walked: damage fails the first use with
+``CorruptCheckpointError`` naming the index. Built items are checked as
+``check_metadata`` checks ``storage_data``. The truth value of a ``PendingItems``
+(``items or {}``) counts the items, which builds them all: compare with None instead.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ _CHARS = r'[^"\\\x00-\x1f]*+'  # a run of characters that need no escape
 _STRING = rf'"{_CHARS}(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{{4}}){_CHARS})*+"'
 _ITEM = re.compile(rf"\[({_STRING}),({INTS}|null),({INT}|null),({INT}),({INT}),({INT})\]")
 SELECTIVE = 0.6  # see PendingItems.prepare
-_AFTER_ITEMS = '],"mcore_data":'  # (a string holds no unescaped quote after a comma)
+# Not in a key: inside a JSON string a quote always follows a backslash.
+_AFTER_ITEMS = '],"mcore_data":'
 
 
 def items_end(text: str, start: int) -> int:
