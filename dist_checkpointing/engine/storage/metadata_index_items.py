@@ -92,8 +92,8 @@ def _where(index: MetadataIndex) -> tuple[str, str]:
 
 class PendingItems(Mapping[MetadataIndex, Any]):
     """``storage_data`` of the ``wanted`` keys (None: every key; ``count`` items, as
-    their entries have chunks), from the text of an ``items`` array that starts at ``span[0]`` and
-    ends at ``span[1]`` (:func:`items_end`); see the module docstring."""
+    their entries have chunks), from the text of an ``items`` array that starts at
+    ``span[0]`` and ends at ``span[1]`` (:func:`items_end`); see the module docstring."""
 
     def __init__(
         self,
