@@ -150,8 +150,11 @@ class FileSystemReader(StorageReader):
         """The metadata a load of ``keys`` needs: their entries, item locations and
         ``mcore_data``, at least. Built from the JSON index without making the objects
         of the other keys (a pipeline stage of 4 reads about a quarter of them), where
-        the checkpoint has one; otherwise (and where this location handle already
-        holds the whole metadata) the whole metadata, as :meth:`read_metadata`.
+        the checkpoint has one; the item locations are then built when
+        :meth:`read_data` asks for those its plan reads (a
+        :class:`~.metadata_index_items.PendingItems`: test it against None, not for
+        truth). Otherwise (and where this location handle already holds the whole
+        metadata) the whole metadata, as :meth:`read_metadata`.
 
         Once per location handle: a later call for keys outside the first call's
         reads the whole metadata, and keeps it for the calls after.
