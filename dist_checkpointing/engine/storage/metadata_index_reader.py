@@ -41,7 +41,14 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import CorruptCheckpointError
 from .checksums import crc
 from .json_stream import JsonCursor, json_text
-from .metadata_index_items import INTS, SKIP_ITEM, PendingItems, build_item, items_end
+from .metadata_index_items import (
+    INTS,
+    SELECTIVE,
+    SKIP_ITEM,
+    PendingItems,
+    build_item,
+    items_end,
+)
 from .metadata_parts import SharedParts
 
 logger = logging.getLogger(__name__)
@@ -134,7 +141,7 @@ class _Reader:
         if not self.header(head):
             return None
         entries = self.converted(self.entries, cursor.elements(self.select(_SKIP_ENTRY)))
-        lazy = self.wanted is not None  # the items built when the load asks for them
+        lazy = self.wanted is not None  # a load's part (see PendingItems)
         if not cursor.dropped:
             self.wanted = None  # every entry was wanted: so is every item (no filtering)
         if next(members, None) != "files":
@@ -143,11 +150,14 @@ class _Reader:
         self.check_files(files)
         if next(members, None) != "items" or cursor.peek() != "[":
             return WHOLE
-        end = items_end(cursor.text, cursor.pos) if lazy else -1
+        # Items built when the load asks for them, unless it will ask for most: it reads
+        # at least one item of each key it requested.
+        count = sum(len(getattr(md, "chunks", ())) or 1 for md in entries.values()) if lazy else 0
+        pending = lazy and len(entries) <= SELECTIVE * count
+        end = items_end(cursor.text, cursor.pos) if pending else -1
         items: Mapping[MetadataIndex, Any]
         if end > 0:
             build = (self.keys, self.parts, files)
-            count = sum(len(getattr(md, "chunks", ())) or 1 for md in entries.values())
             span = (cursor.pos, end)
             items = PendingItems(cursor.text, span, self.wanted, count, build, self.source)
             cursor.pos = end
