@@ -12,12 +12,13 @@ parsed whole, as before, with the same result and the same errors.
 A reader given the keys a load requests (``keys``) builds only their entries, items
 and ``mcore_data``. Of every other element only the key is read (by ``json``'s string
 scanner); a regular expression of the exact compact JSON that follows a key in this
-library's index (:data:`_SKIP_ENTRY`, :data:`_SKIP_ITEM`) steps over the rest, and an
-element spelled otherwise is parsed and dropped. Every element is still checked to be
-JSON; the values of the skipped ones are not checked as metadata (they are not used).
-A load by 4 ranks of a quarter of 100,000 tensors each: the index read in 0.39-0.42
-instead of 0.63-0.73 s per rank (``devx/partial_ab.py``, one process, minimum and
-median of six), a quarter of the objects built and checked.
+library's index (:data:`_SKIP_ENTRY`, :data:`.metadata_index_items.SKIP_ITEM`) steps
+over the rest, and an element spelled otherwise is parsed and dropped. Every element is
+still checked to be JSON; the values of the skipped ones are not checked as metadata
+(they are not used). Where the requested keys have several chunks each, their items
+are built later, those the load reads (:class:`.metadata_index_items.PendingItems`).
+A rank of four pipeline stages over 100,000 tensors reads the index in about half the
+time of a whole read (``bench/metadata_read.py``).
 """
 
 from __future__ import annotations
@@ -150,19 +151,7 @@ class _Reader:
         self.check_files(files)
         if next(members, None) != "items" or cursor.peek() != "[":
             return WHOLE
-        # Items built when the load asks for them, unless it will ask for most: it reads
-        # at least one item of each key it requested.
-        count = sum(len(getattr(md, "chunks", ())) or 1 for md in entries.values()) if lazy else 0
-        pending = lazy and len(entries) <= SELECTIVE * count
-        end = items_end(cursor.text, cursor.pos) if pending else -1
-        items: Mapping[MetadataIndex, Any]
-        if end > 0:
-            build = (self.keys, self.parts, files)
-            span = (cursor.pos, end)
-            items = PendingItems(cursor.text, span, self.wanted, count, build, self.source)
-            cursor.pos = end
-        else:
-            items = self.converted(self.items, cursor.elements(self.select(SKIP_ITEM)), files)
+        items = self.items_at(cursor, files, entries if lazy else None)
         key = next(members, None)
         mcore = None
         if key == "mcore_data":  # small values: parsed whole, in one call of the scanner
@@ -209,6 +198,22 @@ class _Reader:
             raise
         except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
             raise self.fail(f"malformed entry ({type(e).__name__}: {str(e)[:200]})") from None
+
+    def items_at(
+        self, cursor: JsonCursor, files: list[str], part: dict[str, Any] | None
+    ) -> Mapping[MetadataIndex, Any]:
+        """The items of the array at ``cursor``: for the ``part`` of a load (its entries),
+        built when the load asks for them (:class:`.PendingItems`), unless it will ask
+        for most of them (it reads at least one item of each key); else now."""
+        if part is not None:
+            count = sum(len(getattr(md, "chunks", ())) or 1 for md in part.values())
+            end = items_end(cursor.text, cursor.pos) if len(part) <= SELECTIVE * count else -1
+            if end > 0:
+                build = (self.keys, self.parts, files)
+                span = (cursor.pos, end)
+                cursor.pos = end
+                return PendingItems(cursor.text, span, self.wanted, count, build, self.source)
+        return self.converted(self.items, cursor.elements(self.select(SKIP_ITEM)), files)
 
     def select(self, tail: re.Pattern[str]) -> tuple[re.Pattern[str], Collection[str]] | None:
         """The ``select`` of :meth:`.JsonCursor.elements`: the elements of the wanted
