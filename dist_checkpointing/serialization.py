@@ -381,10 +381,17 @@ def _verify_files_read(
     ckpt: CheckpointDir,
     strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
     request: ShardedStateDict,
+    process_group: ProcessGroup,
 ) -> None:
-    """Check the data files this rank reads against the checkpoint's integrity manifest."""
+    """(Collective) Check the data files each rank reads against the checkpoint's
+    integrity manifest: a damaged file raises on every rank, not only on its reader."""
     sharded, _ = strategies  # .metadata and common.pt were checked before unpickling
-    integrity.verify_files(ckpt, sharded.files_holding(ckpt, _keys_of(request)))
+    error: BaseException | None = None
+    try:
+        integrity.verify_files(ckpt, sharded.files_holding(ckpt, _keys_of(request)))
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    RankGroup(process_group).fail_together(error, f"Verifying {ckpt}")
 
 
 def _metadata_files(ckpt: CheckpointDir, sharded: LoadShardedStrategy) -> list[str]:
@@ -479,7 +486,7 @@ def load(
             ckpt, request, strict_mode, validate_access_integrity, strategies, process_group
         )
         if verify_integrity:
-            _verify_files_read(ckpt, strategies, request)
+            _verify_files_read(ckpt, strategies, request, process_group)
     with account.phase("plan+read"):
         loaded = strategies[0].load(request, ckpt)
     account.report(lambda: (tensor_bytes(loaded), sharded.files_holding(ckpt, _keys_of(request))))

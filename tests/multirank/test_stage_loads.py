@@ -21,6 +21,7 @@ import torch.distributed as dist
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.engine.storage.location import CheckpointDir
+from dist_checkpointing.engine.storage.reader import FileSystemReader
 from dist_checkpointing.errors import KeyMismatchError
 from dist_checkpointing.validation import StrictHandling
 from tests.support.harness import run_distributed, world_sizes
@@ -97,3 +98,37 @@ def test_each_stage_reads_only_its_keys_metadata(tmp_path: Path, world_size: int
     for rank, keys in enumerate(held):
         other = (rank + 1) % world_size
         assert keys == sorted([*_stage_keys(other), "embedding", f"stage{other}/shard_0_1"])
+
+
+def _stage_only(stage: int, fill: bool) -> dict[str, Any]:
+    """The request without the tensor every rank shares."""
+    request = _request(stage, fill)
+    del request["embedding"]
+    return request
+
+
+def _one_rank_fails_integrity(ckpt: str) -> str:
+    rank = dist.get_rank()
+    dcp.save(_stage_only(rank, fill=True), ckpt, verify_integrity=True)
+    dist.barrier()
+    if rank == 0:  # damage the files of rank 1's stage (only rank 1 reads them)
+        for name in FileSystemReader(ckpt).files_of(set(_stage_keys(1))):
+            path = Path(ckpt) / name
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        dcp.load(_stage_only(rank, fill=False), ckpt, verify_integrity=True)
+    except Exception as exc:  # noqa: BLE001 - compared below
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_an_integrity_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    """Each rank checks the files it reads: the rank whose file was damaged raises the
+    digest error, the other a RankFailureError naming it, and neither waits forever."""
+    (tmp_path / "ckpt").mkdir()
+    out = run_distributed(_one_rank_fails_integrity, 2, str(tmp_path / "ckpt"), timeout=120)
+    assert out[1].startswith("CorruptCheckpointError") and "integrity" in out[1], out
+    assert out[0].startswith("RankFailureError") and "rank 1" in out[0], out
