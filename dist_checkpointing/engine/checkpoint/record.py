@@ -194,8 +194,8 @@ class _LazyEntry(DataFileEntry):
 
     __slots__ = ("_text",)
 
-    def __init__(self, size: int, text: str) -> None:  # noqa: D107 (no super: lazy)
-        self.size = size
+    def __init__(self, size: int, text: str) -> None:
+        self.size = size  # the columns are made by __getattr__, not by super().__init__
         self._text: str | None = text
 
     def __getattr__(self, name: str) -> Any:

@@ -37,8 +37,7 @@ from .metadata_parts import SharedParts, index_at
 # Possessive quantifiers (no backtracking to remember): about 20% faster matches.
 INT = "(?:0|[1-9][0-9]*+)"
 INTS = rf"\[(?:{INT}(?:,{INT})*+)?\]"
-ITEM_TAIL = rf",(?:{INTS}|null),(?:{INT}|null),{INT},{INT},{INT}\]"
-SKIP_ITEM = re.compile(ITEM_TAIL)
+SKIP_ITEM = re.compile(rf",(?:{INTS}|null),(?:{INT}|null),{INT},{INT},{INT}\]")
 # A whole item so written; groups: the key (as JSON: quoted, escaped), the offsets
 # (text), the DCP index, file, byte offset, length.
 _CHARS = r'[^"\\\x00-\x1f]*+'  # a run of characters that need no escape
@@ -74,6 +73,18 @@ def build_item(
     info = StorageInfo(files[file], start, length)
     shared = None if offset is None else parts.size(offset)
     return index_at(keys.get(fqn, fqn), shared, index), info
+
+
+# What building an element of the wrong shape raises (a string for a list, an unknown
+# dtype, a file out of range...): reported by :func:`malformed`.
+MALFORMED = (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError)
+
+
+def malformed(source: str, error: BaseException) -> CorruptCheckpointError:
+    """The error for an index element that ``error`` showed malformed."""
+    return CorruptCheckpointError(
+        f"{source}: malformed entry ({type(error).__name__}: {str(error)[:200]})"
+    )
 
 
 class _Spelled(Exception):
@@ -216,10 +227,8 @@ class PendingItems(Mapping[MetadataIndex, Any]):
     def _add(self, pairs: Iterable[tuple[MetadataIndex, Any]]) -> None:
         try:
             new = dict(pairs)
-        except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
-            raise CorruptCheckpointError(
-                f"{self._source}: malformed entry ({type(e).__name__}: {str(e)[:200]})"
-            ) from None
+        except MALFORMED as e:
+            raise malformed(self._source, e) from None
         check_metadata(Metadata(state_dict_metadata={}, storage_data=new), self._source)
         if self._built:
             self._built.update(new)
@@ -248,4 +257,12 @@ class PendingItems(Mapping[MetadataIndex, Any]):
         return f"PendingItems({state})"
 
 
-__all__ = ["INTS", "ITEM_TAIL", "PendingItems", "SKIP_ITEM", "build_item", "items_end"]
+__all__ = [
+    "INTS",
+    "MALFORMED",
+    "PendingItems",
+    "SKIP_ITEM",
+    "build_item",
+    "items_end",
+    "malformed",
+]

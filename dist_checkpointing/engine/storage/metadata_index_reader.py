@@ -44,11 +44,13 @@ from .checksums import crc
 from .json_stream import JsonCursor, json_text
 from .metadata_index_items import (
     INTS,
+    MALFORMED,
     SELECTIVE,
     SKIP_ITEM,
     PendingItems,
     build_item,
     items_end,
+    malformed,
 )
 from .metadata_parts import SharedParts
 
@@ -196,8 +198,8 @@ class _Reader:
             return convert(*args)
         except json.JSONDecodeError:
             raise
-        except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
-            raise self.fail(f"malformed entry ({type(e).__name__}: {str(e)[:200]})") from None
+        except MALFORMED as e:
+            raise malformed(self.source, e) from None
 
     def items_at(
         self, cursor: JsonCursor, files: list[str], part: dict[str, Any] | None

@@ -163,14 +163,14 @@ class FileSystemReader(StorageReader):
             as :meth:`read_metadata`.
         """
         location = self.location
-        whole = location.memoized(METADATA_FILE_NAME)
-        part = location.memoized(_PART)
-        if whole is None and part is not None and part.keys.issuperset(keys):
-            return self._stamped(part)
-        if whole is None and part is None:
-            read = self._parse_metadata(frozenset(keys))
-            location.memo(_PART if read.keys is not None else METADATA_FILE_NAME, lambda: read)
-            return self._stamped(read)
+        if location.memoized(METADATA_FILE_NAME) is None:
+            part = location.memoized(_PART)
+            if part is None:
+                part = self._parse_metadata(frozenset(keys))
+                location.memo(_PART if part.keys is not None else METADATA_FILE_NAME, lambda: part)
+                return self._stamped(part)
+            if part.keys.issuperset(keys):
+                return self._stamped(part)
         return self.read_metadata()
 
     def files_of(self, keys: Collection[str]) -> set[str]:
