@@ -383,15 +383,13 @@ def _verify_files_read(
     request: ShardedStateDict,
     process_group: ProcessGroup,
 ) -> None:
-    """(Collective) Check the data files each rank reads against the checkpoint's
-    integrity manifest: a damaged file raises on every rank, not only on its reader."""
+    """(Collective) Check the data files the ranks read against the checkpoint's
+    integrity manifest, each digested by one of its readers: a damaged file raises on
+    every rank, not only on its reader."""
     sharded, _ = strategies  # .metadata and common.pt were checked before unpickling
-    error: BaseException | None = None
-    try:
-        integrity.verify_files(ckpt, sharded.files_holding(ckpt, _keys_of(request)))
-    except Exception as exc:  # noqa: BLE001 - raised on every rank below
-        error = exc
-    RankGroup(process_group).fail_together(error, f"Verifying {ckpt}")
+    integrity.verify_files_read(
+        ckpt, lambda: sharded.files_holding(ckpt, _keys_of(request)), RankGroup(process_group)
+    )
 
 
 def _metadata_files(ckpt: CheckpointDir, sharded: LoadShardedStrategy) -> list[str]:
@@ -448,8 +446,9 @@ def load(
         common_strategy: a LoadCommonStrategy or ``(backend, version)``.
         validate_access_integrity: check the request's sharding.
         strict: how to handle keys that differ (see :class:`StrictHandling`).
-        verify_integrity: check the files this rank reads (data files and
-            ``common.pt``) against the checkpoint's ``integrity.json``.
+        verify_integrity: check the files the ranks read (data files, each on one of
+            the ranks that read it; the metadata files and ``common.pt`` on every rank)
+            against the checkpoint's ``integrity.json``; a mismatch raises on every rank.
         verify_checksums: check every byte read against the checksums recorded
             when it was written (``ChecksumMismatchError`` names key, file and
             offset); default: the ``VERIFY_CHECKSUMS`` knob (on). Checkpoints

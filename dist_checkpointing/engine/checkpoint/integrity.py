@@ -1,8 +1,10 @@
 """File digests for ``verify_integrity`` (Megatron-Core 0.19's save/load parameter).
 
 At save, every rank digests the data files it wrote; the coordinator writes
-``integrity.json`` (staged, committed with the save). At load, each rank re-digests
-the files it reads and compares.
+``integrity.json`` (staged, committed with the save). At load, every rank re-digests
+the metadata files and ``common.pt`` before it unpickles them, and each data file read
+is re-digested by one of the ranks that read it (:func:`verify_files_read`), so a load
+digests the checkpoint's bytes once, not once per rank that reads them.
 
 Our manifest: ``{"version": 1, "algorithm": "sha256", "files": {name: hexdigest}}``.
 Manifests written by other tools are read tolerantly: ``files`` (or the top
@@ -14,7 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable
+
+import torch.distributed as dist
 
 from ...errors import CheckpointingException, CorruptCheckpointError
 from .. import knobs
@@ -121,10 +126,18 @@ def verify_files(ckpt: CheckpointDir, names: Iterable[str]) -> None:
     """
     manifest = read_manifest(ckpt)
     if manifest is None:
-        raise CheckpointingException(
-            f"{ckpt}: verify_integrity=True but the checkpoint has no "
-            f"{INTEGRITY_FNAME} (it was saved without verify_integrity)"
-        )
+        raise _no_manifest(ckpt)
+    _compare(ckpt, manifest, names)
+
+
+def _no_manifest(ckpt: CheckpointDir) -> CheckpointingException:
+    return CheckpointingException(
+        f"{ckpt}: verify_integrity=True but the checkpoint has no "
+        f"{INTEGRITY_FNAME} (it was saved without verify_integrity)"
+    )
+
+
+def _compare(ckpt: CheckpointDir, manifest: dict[str, str], names: Iterable[str]) -> None:
     bad = []
     for name, digest in digest_files(ckpt, names).items():
         expected = manifest.get(name)
@@ -136,6 +149,73 @@ def verify_files(ckpt: CheckpointDir, names: Iterable[str]) -> None:
         raise CorruptCheckpointError(
             f"{ckpt}: integrity check failed for {len(bad)} file(s):\n  " + "\n  ".join(bad)
         )
+
+
+def verify_files_read(
+    ckpt: CheckpointDir, files_read: Callable[[], Iterable[str]], group: RankGroup
+) -> None:
+    """(Collective) Check the files the ranks of ``group`` read against ``integrity.json``,
+    each file digested once: by one of the ranks that read it.
+
+    ``files_read()`` names this rank's files. A tensor-parallel load reads a block of
+    every key from nearly every file, so checking per rank would digest the
+    checkpoint's bytes once per rank. Instead:
+
+    1. every rank reads the manifest; one all-reduce checks that every rank has the
+       same list of files (count and CRC of the names);
+    2. where they agree, one all-reduce of a number per listed file picks, for each
+       file read, the first of its readers at or after rank ``i mod world`` (file
+       ``i`` in the manifest's order), which spreads the files of a shared read over
+       the ranks; files a rank reads that the manifest does not list are reported by
+       that rank. Where they do not agree (a rank could not read the manifest or
+       name its files), each rank checks its own files, as :func:`verify_files`;
+    3. one verdict (:meth:`RankGroup.fail_together`): a damaged file raises
+       ``CorruptCheckpointError`` naming it on the rank that digested it and
+       ``RankFailureError`` naming that rank and the file on the others.
+
+    Every rank makes the same collectives whatever fails, so nothing waits.
+    """
+    listed: list[str] = []
+    manifest: dict[str, str] | None = None
+    mine: set[str] = set()
+    error: BaseException | None = None
+    try:
+        mine = set(files_read())
+        manifest = read_manifest(ckpt)
+        listed = sorted(manifest or ())
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
+        error = exc
+    # What every rank must share: no error, a manifest, the same names (-1: an error).
+    fingerprint = [-1, -1]
+    if error is None:
+        fingerprint = [
+            -2 if manifest is None else len(listed),
+            zlib.crc32("\0".join(listed).encode()),
+        ]
+    top = group.all_reduce_ints([*fingerprint, *(-v for v in fingerprint)], dist.ReduceOp.MAX)
+    if error is None:
+        try:
+            if manifest is None:
+                raise _no_manifest(ckpt)
+            if top[:2] == [-v for v in top[2:]] == fingerprint:
+                mine = _my_share(listed, mine, group)
+            _compare(ckpt, manifest, mine)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
+            error = exc
+    group.fail_together(error, f"Verifying {ckpt}")
+
+
+def _my_share(listed: list[str], mine: set[str], group: RankGroup) -> set[str]:
+    """(Collective) The files of ``mine`` this rank digests (see :func:`verify_files_read`,
+    step 2): the unlisted ones, and the listed ones it was picked for."""
+    world, rank = group.world, group.rank
+    # For file i, the distance from rank i mod world to this rank, counted onwards;
+    # the minimum over the ranks names the first reader from there (world: no reader).
+    steps = [(rank - i) % world if name in mine else world for i, name in enumerate(listed)]
+    nearest = group.all_reduce_ints(steps, dist.ReduceOp.MIN)
+    share = mine - set(listed)
+    share.update(name for name, step, near in zip(listed, steps, nearest) if step == near < world)
+    return share
 
 
 __all__ = [
