@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
+from operator import itemgetter
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -61,21 +63,30 @@ class ShardRecord(NamedTuple):
     is_main: bool
 
 
+_new_tuple = tuple.__new__
+
+
 def shard_record(sh: ShardedBase | ShardRecord) -> ShardRecord:
     """The :class:`ShardRecord` of a ShardedTensor or ShardedObject."""
     if isinstance(sh, ShardRecord):
         return sh
     if isinstance(sh, ShardedTensor):
-        fr = sh.flattened_range
-        return ShardRecord(
-            sh.key,
-            True,
-            str(sh.dtype),
-            tuple(sh.global_shape),
-            tuple(sh.global_offset),
-            (1,) * sh.prepend_axis_num + tuple(sh.local_shape),
-            None if fr is None else (fr.start, fr.stop),
-            is_main_replica(sh.replica_id),
+        # Built with tuple.__new__ (the named tuple's own __new__ is a Python function:
+        # half of this function's time, once per tensor on every save and load).
+        fr, rid, prepend = sh.flattened_range, sh.replica_id, sh.prepend_axis_num
+        local = tuple(sh.local_shape)
+        return _new_tuple(
+            ShardRecord,
+            (
+                sh.key,
+                True,
+                str(sh.dtype),
+                tuple(sh.global_shape),
+                tuple(sh.global_offset),
+                (1,) * prepend + local if prepend else local,
+                None if fr is None else (fr.start, fr.stop),
+                rid == 0 if type(rid) is int else is_main_replica(rid),
+            ),
         )
     if isinstance(sh, ShardedObject):
         return ShardRecord(
@@ -187,40 +198,62 @@ def _flat_blocks(key: str, shards: list[tuple[int, ShardRecord]]) -> tuple[list[
     return blocks, problems
 
 
-def _tiles_exactly(shards: list[tuple[int, ShardRecord]]) -> bool:
+# Field positions of a record (a ShardRecord, or the plain tuple of its fields that the
+# split check receives): the fast paths index them, as the wire tuples have no names.
+_DTYPE, _SHAPE, _OFFSET, _CHUNK, _FLAT, _MAIN = 2, 3, 4, 5, 6, 7
+
+
+def _offset_of(rec: tuple[Any, ...]) -> Any:
+    return rec[_OFFSET]
+
+
+def _tiles_exactly(shards: list[tuple[int, tuple[Any, ...]]]) -> bool:
     """A cheap sufficient test for the common layouts: every shard agrees on shape and
     dtype, none is flat, and the main replicas tile the tensor along at most one axis
     (one whole block, or row/column blocks end to end). False means "look closer"."""
     first = shards[0][1]
-    shape, dtype = first.global_shape, first.dtype
-    main: list[ShardRecord] = []
+    shape, dtype = first[_SHAPE], first[_DTYPE]
+    main: list[tuple[Any, ...]] = []
     for _, sh in shards:
-        if sh.global_shape != shape or sh.dtype != dtype or sh.flat is not None:
+        if sh[_SHAPE] != shape or sh[_DTYPE] != dtype or sh[_FLAT] is not None:
             return False
-        if sh.is_main:
+        if sh[_MAIN]:
             main.append(sh)
     if len(main) == 1:
-        return main[0].chunk_shape == shape and not any(main[0].global_offset)
+        return main[0][_CHUNK] == shape and not any(main[0][_OFFSET])
     if not main or not shape:
         return False
+    main.sort(key=_offset_of)  # by the axis offset where the rest are 0 (else False below)
+    n = len(shape)
+    pos = 0
+    if n == 1:  # blocks of a vector: end to end
+        for sh in main:
+            offset, chunk = sh[_OFFSET], sh[_CHUNK]
+            if len(offset) != 1 or len(chunk) != 1 or offset[0] != pos:
+                return False
+            pos += chunk[0]
+        return bool(pos == shape[0])
+    chunk0 = main[0][_CHUNK]
     axis = -1
-    for i, (c, g) in enumerate(zip(main[0].chunk_shape, shape)):
+    for i, (c, g) in enumerate(zip(chunk0, shape)):
         if c != g:
             if axis >= 0:
                 return False
             axis = i
-    if axis < 0 or len(main[0].chunk_shape) != len(shape):
+    if axis < 0 or len(chunk0) != n:
         return False
-    pos = 0
-    for sh in sorted(main, key=lambda r: r.global_offset[axis]):
-        offset, chunk = sh.global_offset, sh.chunk_shape
-        if len(offset) != len(shape) or len(chunk) != len(shape) or offset[axis] != pos:
+    # Off the axis every block must start at 0 and span the tensor: compare the
+    # offset and block with the axis entry left out (one C-level getter per key).
+    rest = itemgetter(*(i for i in range(n) if i != axis))
+    rest_shape, rest_zero = rest(shape), rest((0,) * n)
+    for sh in main:
+        offset, chunk = sh[_OFFSET], sh[_CHUNK]
+        if len(offset) != n or len(chunk) != n or offset[axis] != pos:
             return False
-        for i, g in enumerate(shape):
-            if i != axis and (offset[i] != 0 or chunk[i] != g):
-                return False
+        if rest(offset) != rest_zero or rest(chunk) != rest_shape:
+            return False
         pos += chunk[axis]
-    return pos == shape[axis]
+    return bool(pos == shape[axis])
 
 
 def _tensor_key_problems_full(key: str, shards: list[tuple[int, ShardRecord]]) -> list[str]:
@@ -284,26 +317,31 @@ _SECTION_MIXED, _SECTION_TENSOR, _SECTION_OBJECT = 0, 1, 2
 KeyProblems = tuple[int, str, list[str]]
 
 
-def keyed_problems(global_metadata: GlobalMetadata) -> list[KeyProblems]:
+def keyed_problems(global_metadata: Sequence[Sequence[Any]]) -> list[KeyProblems]:
     """:func:`sharding_integrity_problems` as ``(section, key, lines)`` per key with a
-    problem (merge reports of disjoint key sets with :func:`merge_key_problems`)."""
-    tensors: dict[str, list[tuple[int, ShardRecord]]] = defaultdict(list)
-    objects: dict[str, list[tuple[int, ShardRecord]]] = defaultdict(list)
+    problem (merge reports of disjoint key sets with :func:`merge_key_problems`).
+
+    A rank's entries may be ShardedBase leaves, :class:`ShardRecord` s, or plain tuples
+    of a record's fields in order (what the split check receives)."""
+    tensors: dict[str, list[tuple[int, tuple[Any, ...]]]] = defaultdict(list)
+    objects: dict[str, list[tuple[int, tuple[Any, ...]]]] = defaultdict(list)
     names: dict[str, str] = {}  # the stored name of each object shard -> its object key
     for rank, rank_metadata in enumerate(global_metadata):
         for sh in rank_metadata:
-            if type(sh) is ShardRecord:
-                rec = sh
-            elif isinstance(sh, (ShardedTensor, ShardedObject, ShardRecord)):
-                rec = shard_record(sh)
+            kind = type(sh)
+            if kind is not tuple and kind is not ShardRecord:
+                if not isinstance(sh, (ShardedTensor, ShardedObject, ShardRecord)):
+                    continue
+                sh = shard_record(sh)
+            key, is_tensor = sh[0], sh[1]
+            if is_tensor:
+                tensors[key].append((rank, sh))
+            elif is_tensor is None:
+                names[key] = sh[_DTYPE]
             else:
-                continue
-            if rec.is_tensor is None:
-                names[rec.key] = rec.dtype
-                continue
-            (tensors if rec.is_tensor else objects)[rec.key].append((rank, rec))
-            if not rec.is_tensor and rec.is_main:  # the shards that are stored
-                names[stored_object_name(rec)] = rec.key
+                objects[key].append((rank, sh))
+                if sh[_MAIN]:  # the shards that are stored
+                    names[stored_object_name(ShardRecord._make(sh))] = key
     out: list[KeyProblems] = [
         (_SECTION_MIXED, key, [f"'{key}': used both as a ShardedTensor and as a ShardedObject"])
         for key in tensors.keys() & objects.keys()
@@ -321,10 +359,15 @@ def keyed_problems(global_metadata: GlobalMetadata) -> list[KeyProblems]:
     ]
     for key, shards in tensors.items():
         if not _tiles_exactly(shards):
-            out.append((_SECTION_TENSOR, key, _tensor_key_problems_full(key, shards)))
+            out.append((_SECTION_TENSOR, key, _tensor_key_problems_full(key, _named(shards))))
     for key, shards in objects.items():
-        out.append((_SECTION_OBJECT, key, _object_key_problems(key, shards)))
+        out.append((_SECTION_OBJECT, key, _object_key_problems(key, _named(shards))))
     return [p for p in out if p[2]]
+
+
+def _named(shards: list[tuple[int, tuple[Any, ...]]]) -> list[tuple[int, ShardRecord]]:
+    make = ShardRecord._make
+    return [(rank, sh if type(sh) is ShardRecord else make(sh)) for rank, sh in shards]
 
 
 def merge_key_problems(parts: list[list[KeyProblems]]) -> list[str]:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from dist_checkpointing.engine.sharding_check import (
     _tensor_key_problems_full,
     _tiles_exactly,
+    keyed_problems,
     shard_record,
 )
 from dist_checkpointing.errors import ShardingError
@@ -446,6 +447,31 @@ def test_fast_path_accepts_only_exact_covers(
         assert oracle_is_valid(layout)
         records = [(rank, shard_record(sh)) for rank, sh in layout.shards]
         assert _tensor_key_problems_full("t", records) == []
+
+
+@PROPERTY_SETTINGS
+@given(
+    first=tensor_layouts("a"),
+    second=tensor_layouts("b"),
+    objects=object_layouts(),
+    data=st.data(),
+    count=st.integers(0, 2),
+)
+def test_records_as_leaves_named_tuples_or_plain_tuples_give_one_report(
+    first: Layout, second: Layout, objects: Layout, data: st.DataObject, count: int
+) -> None:
+    """The split check hands keyed_problems the wire's plain tuples: the report is the
+    one the leaves and their ShardRecords give, word for word."""
+    world_size = max(first.world_size, second.world_size, objects.world_size)
+    layout = _perturbed(
+        data, Layout(world_size, first.shards + second.shards + objects.shards), count
+    )
+    leaves = layout.metadata()
+    named = [[shard_record(sh) for sh in rank] for rank in leaves]
+    plain = [[tuple(r) for r in rank] for rank in named]
+    report = keyed_problems(leaves)
+    assert keyed_problems(named) == report
+    assert keyed_problems(plain) == report
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 8])
