@@ -65,11 +65,11 @@ from common import (
     rank,
     raw_blob,
     raw_write,
+    row_sharded,
     world,
 )
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -101,15 +101,9 @@ def make_state(size_mib: int, device: torch.device) -> dict[str, torch.Tensor]:
     }
 
 
-def sharded(local: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
-    return {
-        k: ShardedTensor.from_rank_offsets(k, t, (0, rank(), world())) for k, t in local.items()
-    }
-
-
 def verify(local: dict[str, torch.Tensor], ckpt: str) -> None:
     """Load ``ckpt`` and compare every byte with the state."""
-    request = sharded({k: torch.empty_like(t) for k, t in local.items()})
+    request = row_sharded({k: torch.empty_like(t) for k, t in local.items()})
     loaded = dc.load(request, ckpt)
     bad = [k for k, t in local.items() if not torch.equal(loaded[k], t)]
     if bad:
@@ -239,7 +233,7 @@ class Trainer:
 
     def _save(self, queue: AsyncCallsQueue, path: str) -> int:
         times = SaveTimes(time.perf_counter())
-        request = dc.save(sharded(self.local), path, self.strategy, async_sharded_save=True)
+        request = dc.save(row_sharded(self.local), path, self.strategy, async_sharded_save=True)
         assert isinstance(request, AsyncRequest)
         times.saved = time.perf_counter()
         idx = queue.schedule_async_request(request)
@@ -341,7 +335,7 @@ def baselines(local: dict[str, torch.Tensor], root: str, args: argparse.Namespac
         raw_s = raw_once(local, root, f"raw{i}", args.thread_count)
         path = fresh_dir(root, f"sync{i}")
         with measured() as m:
-            dc.save(sharded(local), path, strategy)
+            dc.save(row_sharded(local), path, strategy)
         drop_dir(path)
         if i > 0:  # the first pair warms up (imports, first-call costs, the page cache)
             raw.append(raw_s)

@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import bench_root, drop_dir, fresh_dir, init_gloo, log, measured, rank, world
+from common import bench_root, drop_dir, fresh_dir, init_gloo, log, measured, row_sharded, world
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -46,10 +45,7 @@ def blocked_times(
         for i in range(saves):
             path = fresh_dir(root, f"s{i}")
             with measured() as m:
-                state = {
-                    k: ShardedTensor.from_rank_offsets(k, v, (0, rank(), world()))
-                    for k, v in local.items()
-                }
+                state = row_sharded(local)
                 request = dc.save(state, path, strategy, async_sharded_save=True)
             out.append(m[0].seconds)
             queue.schedule_async_request(request)

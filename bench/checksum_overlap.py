@@ -27,10 +27,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import init_gloo
+from common import init_gloo, row_sharded
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 
 MID_KIB = (4, 8, 16, 32, 64)
@@ -42,12 +41,6 @@ def make_case(name: str) -> dict[str, torch.Tensor]:
     if name == "one":
         return {"t0": torch.randn(64 << 20)}
     return {f"t{i}": torch.randn(8 << 20) for i in range(16)}
-
-
-def sharded(tensors: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
-    """Each tensor as this rank's shard (axis 0) of a global tensor over all ranks."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return {k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in tensors.items()}
 
 
 def slowest(seconds: float) -> float:
@@ -72,8 +65,8 @@ def main() -> None:
     root = holder[0]
     try:
         strategy = get_default_save_sharded_strategy(args.layout, 1)
-        dc.save(sharded(local), root, strategy)
-        request = sharded({k: torch.empty_like(v) for k, v in local.items()})
+        dc.save(row_sharded(local), root, strategy)
+        request = row_sharded({k: torch.empty_like(v) for k, v in local.items()})
         ways = (
             ("no checks", False, "1"),
             ("thread", True, "1"),

@@ -43,11 +43,11 @@ from common import (
     rank,
     raw_blob,
     raw_write,
+    row_sharded,
     world,
 )
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 MIB = 2**20
@@ -61,12 +61,6 @@ def make_state(size_mib: int, tensors: int, device: torch.device) -> dict[str, t
     return {
         f"layer{i}.weight": torch.randn(rows, COLS, generator=gen, device=device)
         for i in range(tensors)
-    }
-
-
-def sharded(local: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
-    return {
-        k: ShardedTensor.from_rank_offsets(k, t, (0, rank(), world())) for k, t in local.items()
     }
 
 
@@ -140,7 +134,7 @@ def check(expected: dict[str, torch.Tensor], path: str, device: str = "cuda") ->
     torch.cuda.synchronize()
     dist.barrier()
     start = time.perf_counter()
-    loaded = dc.load(sharded(targets), path)
+    loaded = dc.load(row_sharded(targets), path)
     torch.cuda.synchronize()
     seconds = slowest(time.perf_counter() - start)
     bad = [k for k, t in expected.items() if not torch.equal(loaded[k].to(t.device), t)]
@@ -155,7 +149,7 @@ def sync_save(local: dict[str, torch.Tensor], root: str, layout: str, repeats: i
     for i in range(repeats + 1):
         path = fresh_dir(root, f"sync_{layout}{i}")
         with measured() as m:
-            dc.save(sharded(local), path, strategy)
+            dc.save(row_sharded(local), path, strategy)
         loads.append(check(local, path))
         cpu_loads.append(check(local, path, "cpu"))
         drop_dir(path)
@@ -187,7 +181,7 @@ def async_saves(
             torch.cuda.synchronize()
             dist.barrier()
             start = time.perf_counter()
-            request = dc.save(sharded(local), path, strategy, async_sharded_save=True)
+            request = dc.save(row_sharded(local), path, strategy, async_sharded_save=True)
             assert isinstance(request, AsyncRequest)
             queue.schedule_async_request(request)
             scheduled = time.perf_counter()

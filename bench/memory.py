@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterator
 import psutil
 import torch
 import torch.distributed as dist
-from async_save import make_state, sharded
-from common import PeakSampler, fmt_mib, log, rank, world
+from async_save import make_state
+from common import PeakSampler, fmt_mib, log, rank, row_sharded, world
 
 import dist_checkpointing as dc
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -112,7 +112,7 @@ def checkpoint_dir(root: str, name: str) -> Iterator[str]:
 
 def sync_save(local: dict[str, torch.Tensor], root: str) -> int:
     with checkpoint_dir(root, "sync") as path, PeakAbove() as m:
-        dc.save(sharded(local), path)
+        dc.save(row_sharded(local), path)
     return m.peak
 
 
@@ -125,7 +125,7 @@ def async_save(
             for i in range(saves):
                 with checkpoint_dir(root, f"async{i}") as path:
                     start = time.perf_counter()
-                    request = dc.save(sharded(local), path, async_sharded_save=True)
+                    request = dc.save(row_sharded(local), path, async_sharded_save=True)
                     queue.schedule_async_request(request)
                     BLOCKED.append(time.perf_counter() - start)
                     if do_touch:
@@ -138,10 +138,10 @@ def async_save(
 
 def load(local: dict[str, torch.Tensor], root: str) -> int:
     with checkpoint_dir(root, "load") as path:
-        dc.save(sharded(local), path)
+        dc.save(row_sharded(local), path)
         targets = {k: torch.zeros_like(t) for k, t in local.items()}  # touched: resident
         with PeakAbove() as m:
-            loaded = dc.load(sharded(targets), path)
+            loaded = dc.load(row_sharded(targets), path)
         bad = [k for k, t in local.items() if not torch.equal(loaded[k], t)]
         if bad:
             raise RuntimeError(f"rank {rank()}: loaded values differ for {bad[:3]}")

@@ -48,10 +48,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import Measurement, fmt_mib, log, log_table, measured, rank, raw_blob, world
+from common import (
+    Measurement,
+    fmt_mib,
+    log,
+    log_table,
+    measured,
+    rank,
+    raw_blob,
+    row_sharded,
+    world,
+)
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 THREAD_COUNT = 2  # data files per rank, for us and for the raw baseline
@@ -64,12 +73,6 @@ def make_state(size_mib: int) -> dict[str, torch.Tensor]:
     count, cols = 16, 1024
     rows = max(size_mib * 2**20 // 4 // count // world() // cols, 1)
     return {f"t.{i}": torch.randn(rows, cols, generator=gen) for i in range(count)}
-
-
-def sharded(local: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
-    return {
-        k: ShardedTensor.from_rank_offsets(k, t, (0, rank(), world())) for k, t in local.items()
-    }
 
 
 # ----------------------------------------------------------------------------- requests
@@ -291,10 +294,10 @@ def measure_ours(
 ) -> dict[str, Measurement]:
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=THREAD_COUNT)
     save = timed(
-        method, "save", counts, lambda: dc.save(sharded(local), path, sharded_strategy=strategy)
+        method, "save", counts, lambda: dc.save(row_sharded(local), path, sharded_strategy=strategy)
     )
     # Targets already in memory (as a model's parameters are, and as the raw baseline's buffer is).
-    request = sharded({k: torch.zeros_like(t) for k, t in local.items()})
+    request = row_sharded({k: torch.zeros_like(t) for k, t in local.items()})
     loaded: list[Any] = []
     load = timed(method, "load", counts, lambda: loaded.append(dc.load(request, path)))
     bad = [k for k, t in local.items() if not torch.equal(loaded[0][k], t)]

@@ -24,8 +24,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from common import Measurement, log, log_table, rank, world
-from save_load import THREAD_COUNT, best_of, make_case, measure_raw, ours_state_dict
+from common import Measurement, log, log_table, rank, row_sharded, world
+from save_load import THREAD_COUNT, best_of, make_case, measure_raw
 
 import dist_checkpointing as dc
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -46,12 +46,12 @@ def measure(
         return os.path.join(root, f"{method}_{i}")
 
     def save(i: int) -> None:
-        dc.save(ours_state_dict(local), path(i), strategy, validate_access_integrity=validate)
+        dc.save(row_sharded(local), path(i), strategy, validate_access_integrity=validate)
 
     saved = best_of(repeat, save)
-    request = ours_state_dict({k: torch.empty_like(t) for k, t in local.items()})
+    request = row_sharded({k: torch.empty_like(t) for k, t in local.items()})
     load = best_of(repeat, lambda i: dc.load(request, path(i), validate_access_integrity=validate))
-    loaded = dc.load(ours_state_dict({k: torch.empty_like(t) for k, t in local.items()}), path(0))
+    loaded = dc.load(row_sharded({k: torch.empty_like(t) for k, t in local.items()}), path(0))
     bad = [k for k, t in local.items() if not torch.equal(loaded[k], t)]
     if bad:
         raise RuntimeError(f"rank {rank()}: {method} loaded wrong values for {bad[:5]}")

@@ -40,13 +40,13 @@ from common import (
     raw_blob,
     raw_read,
     raw_write,
+    row_sharded,
     world,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 THREAD_COUNT = 2  # files per rank, for us and for the raw baseline
@@ -67,12 +67,6 @@ def make_case(name: str, size_mib: int, small: int) -> dict[str, torch.Tensor]:
         rows = max(per_rank // cols, 1)
         return {f"big.{i}": torch.randn(rows, cols, generator=gen) for i in range(count)}
     return {f"small.{i}": torch.randn(64, generator=gen) for i in range(small)}
-
-
-def ours_state_dict(local: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
-    return {
-        k: ShardedTensor.from_rank_offsets(k, t, (0, rank(), world())) for k, t in local.items()
-    }
 
 
 def dcp_state_dict(local: dict[str, torch.Tensor], mesh: object) -> dict[str, DTensor]:
@@ -145,11 +139,11 @@ def measure_ours(
     os.environ["DIST_CKPT_WRITE_CHECKSUMS"] = "1" if checksums else "0"
     try:
         save = best_of(
-            repeat, lambda i: dc.save(ours_state_dict(local), path(i), sharded_strategy=strategy)
+            repeat, lambda i: dc.save(row_sharded(local), path(i), sharded_strategy=strategy)
         )
     finally:
         os.environ.pop("DIST_CKPT_WRITE_CHECKSUMS", None)
-    request = ours_state_dict({k: torch.empty_like(t) for k, t in local.items()})
+    request = row_sharded({k: torch.empty_like(t) for k, t in local.items()})
     load = best_of(
         repeat,
         lambda i: dc.load(request, path(i), verify_checksums=checksums),
