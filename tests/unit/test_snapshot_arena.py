@@ -3,10 +3,13 @@ segments, and requests that carry each segment once."""
 
 from __future__ import annotations
 
+import math
 import pickle
 from pathlib import Path
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
@@ -121,4 +124,60 @@ def test_a_staged_bucket_is_written_with_only_its_own_bytes(tmp_path: Path) -> N
     write_bucket_file(staged, fs, sync_files=False)
     write_bucket_file(plain, fs, sync_files=False)
     assert (tmp_path / "staged").read_bytes() == (tmp_path / "plain").read_bytes()
+    arena.close()
+
+
+_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.bool,
+    torch.int64,
+    torch.complex64,
+]
+
+
+@st.composite
+def _tensors(draw: st.DrawFn) -> torch.Tensor:
+    """A tensor of any dtype and shape (0-d, empty, size-1 axes), contiguous or a
+    transposed, stepped or expanded view of a larger one."""
+    dtype = draw(st.sampled_from(_DTYPES))
+    shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=3))
+    base = (torch.arange(max(1, math.prod(shape)) * 4) % 7).to(dtype)
+    t = base[: math.prod(shape)].reshape(shape)
+    kind = draw(st.sampled_from(["plain", "transposed", "stepped", "expanded", "odd-stride"]))
+    if kind == "transposed" and t.dim() >= 2:
+        t = t.transpose(0, 1)
+    elif kind == "stepped" and t.dim() >= 1:
+        t = base[: 2 * shape[0] * math.prod(shape[1:])].reshape([2 * shape[0], *shape[1:]])[::2]
+    elif kind == "expanded" and t.dim() >= 1 and shape[0] == 1:
+        t = t.expand(3, *shape[1:])
+    elif kind == "odd-stride":  # contiguous, with a stride of 9 on a size-1 axis
+        t = t.unsqueeze(0).as_strided((1, *t.shape), (9, *t.stride()))
+    return t
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors=st.lists(_tensors(), min_size=1, max_size=8))
+def test_staged_views_equal_their_sources_and_share_no_bytes(tensors: list[torch.Tensor]) -> None:
+    """Each staged tensor is a contiguous copy of its source (dtype, shape, values) in the
+    segment, at its own bytes."""
+    arena = SnapshotArena(pinned=False)
+    state = {f"t{i}": t for i, t in enumerate(tensors)}
+    bucket = _bucket("/x/f", state)
+    assert arena.stage(StageBuckets([bucket]), copy_cpu=True) is not None
+    spans = []
+    for (_, staged), source in zip(bucket.tensor_items, tensors):
+        assert staged.dtype == source.dtype and staged.shape == source.shape
+        assert staged.is_contiguous() and torch.equal(staged, source)
+        if staged.numel() == 0:  # no bytes (torch gives it no address in the segment)
+            continue
+        found = arena.locate(staged)
+        assert found is not None
+        segment, offset = found
+        assert offset >= 0 and offset + staged.nbytes <= segment.nbytes
+        spans.append((offset, offset + staged.nbytes))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     arena.close()

@@ -120,7 +120,7 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor, streams: dict[torch.devic
     the side stream of ``src``'s device in ``streams`` (created on first use, after
     waiting for the current stream); from anywhere else, at once. The caller
     synchronizes every stream of ``streams`` before using ``dst``."""
-    if src.device.type != "cuda":
+    if not src.is_cuda:  # (the property: ``device.type`` builds a device per call)
         dst.copy_(src)
         return
     stream = streams.get(src.device)
