@@ -143,6 +143,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
         staged = TensorItemWriter(bucket.tensor_items, compute_crc)
         try:
             for i, (item, tensor) in enumerate(bucket.tensor_items):
+                offset += _pad_before(stream, offset, tensor)
                 stream.begin_item()
                 length = staged.write(stream, i, tensor)
                 results.append(
@@ -154,6 +155,27 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
         if sync_files:
             fs.fsync(raw)
     return results
+
+
+# A tensor item of at least this many bytes starts at a multiple of ITEM_ALIGN in its file.
+# Its tensor bytes then do too (the item's zip record puts them at a multiple of 64 from
+# its start): a read into a tensor's memory copies 64-byte-aligned bytes. The kernel
+# copies from the page cache about a third slower where source and destination are not
+# aligned alike (6.7-7.7 against 11 GB/s on the development VM). DCP readers (ours,
+# Megatron-Core's, plain DCP's) read items by offset: the zero bytes between items are
+# no item's and are read by nobody. Small items stay packed (at most 63 bytes each
+# would be felt there; their bytes are copied from a window in memory).
+ITEM_ALIGN = 64
+ALIGNED_ITEM_BYTES = 64 << 10
+
+
+def _pad_before(stream: ChecksumStream, offset: int, tensor: torch.Tensor) -> int:
+    """Write the zero bytes that align a large tensor item at ``offset``; their count."""
+    pad = -offset % ITEM_ALIGN
+    if pad == 0 or tensor.numel() * tensor.element_size() < ALIGNED_ITEM_BYTES:
+        return 0
+    stream.write(bytes(pad))
+    return pad
 
 
 # Writes one staged bucket file and returns its WriteResults.
