@@ -446,9 +446,8 @@ def load(
         common_strategy: a LoadCommonStrategy or ``(backend, version)``.
         validate_access_integrity: check the request's sharding.
         strict: how to handle keys that differ (see :class:`StrictHandling`).
-        verify_integrity: check the files the ranks read (data files, each on one of
-            the ranks that read it; the metadata files and ``common.pt`` on every rank)
-            against the checkpoint's ``integrity.json``; a mismatch raises on every rank.
+        verify_integrity: check the files read (each data file on one of its readers,
+            metadata and ``common.pt`` on every rank) against ``integrity.json``.
         verify_checksums: check every byte read against the checksums recorded
             when it was written (``ChecksumMismatchError`` names key, file and
             offset); default: the ``VERIFY_CHECKSUMS`` knob (on). Checkpoints

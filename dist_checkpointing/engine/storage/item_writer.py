@@ -28,6 +28,25 @@ from .tensor_bytes import byte_view
 
 logger = logging.getLogger(__name__)
 
+# A tensor item of at least ALIGNED_ITEM_BYTES tensor bytes starts at a multiple of
+# ITEM_ALIGN in its file, so that its tensor bytes (at a multiple of 64 from the start of
+# the record) do too: a read into a tensor's memory then copies 64-byte aligned bytes,
+# which the kernel does from the page cache about a third faster (6.7-7.7 against 11
+# GB/s on the development VM). Small items stay packed (their bytes are copied from a
+# window in memory, and 63 bytes each would be felt).
+ITEM_ALIGN = 64
+ALIGNED_ITEM_BYTES = 64 << 10
+
+
+def item_padding(offset: int, tensor_bytes: int) -> int:
+    """The zero bytes to write at file offset ``offset`` before a tensor item of
+    ``tensor_bytes`` bytes. They belong to no item: DCP readers (ours, Megatron-Core's,
+    plain DCP's) read items by offset and never read them."""
+    if tensor_bytes < ALIGNED_ITEM_BYTES:
+        return 0
+    return -offset % ITEM_ALIGN
+
+
 # Large tensors are written in pieces of this size while another thread checksums
 # them (from _PARALLEL_CRC_BYTES on, given spare cores) ...
 _CHUNK_BYTES = 64 << 20

@@ -37,6 +37,7 @@ from .checksums import ChecksumStream
 from .host_staging import StagingStep, TensorSlot
 from .item_checksums import ItemChecksum
 from .item_codec import decode_tensor_items, encode_tensor_items
+from .item_writer import item_padding
 from .resolve import filesystem_for
 from .staging_pool import TensorItemWriter
 from .write_results import WriteOutcome
@@ -143,7 +144,9 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
         staged = TensorItemWriter(bucket.tensor_items, compute_crc)
         try:
             for i, (item, tensor) in enumerate(bucket.tensor_items):
-                offset += _pad_before(stream, offset, tensor)
+                pad = item_padding(offset, tensor.numel() * tensor.element_size())
+                if pad:  # zero bytes between items (see item_padding)
+                    offset += stream.write(bytes(pad))
                 stream.begin_item()
                 length = staged.write(stream, i, tensor)
                 results.append(
@@ -155,27 +158,6 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
         if sync_files:
             fs.fsync(raw)
     return results
-
-
-# A tensor item of at least this many bytes starts at a multiple of ITEM_ALIGN in its file.
-# Its tensor bytes then do too (the item's zip record puts them at a multiple of 64 from
-# its start): a read into a tensor's memory copies 64-byte-aligned bytes. The kernel
-# copies from the page cache about a third slower where source and destination are not
-# aligned alike (6.7-7.7 against 11 GB/s on the development VM). DCP readers (ours,
-# Megatron-Core's, plain DCP's) read items by offset: the zero bytes between items are
-# no item's and are read by nobody. Small items stay packed (at most 63 bytes each
-# would be felt there; their bytes are copied from a window in memory).
-ITEM_ALIGN = 64
-ALIGNED_ITEM_BYTES = 64 << 10
-
-
-def _pad_before(stream: ChecksumStream, offset: int, tensor: torch.Tensor) -> int:
-    """Write the zero bytes that align a large tensor item at ``offset``; their count."""
-    pad = -offset % ITEM_ALIGN
-    if pad == 0 or tensor.numel() * tensor.element_size() < ALIGNED_ITEM_BYTES:
-        return 0
-    stream.write(bytes(pad))
-    return pad
 
 
 # Writes one staged bucket file and returns its WriteResults.
