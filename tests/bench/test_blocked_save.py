@@ -22,10 +22,10 @@ def _free_port() -> int:
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to python")
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_blocked_save_prints_a_time_per_save(ranks: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks,persistent", [(1, False), (2, False), (1, True)])
+def test_blocked_save_prints_a_time_per_save(ranks: int, persistent: bool, tmp_path: Path) -> None:
     script = str(ROOT / "bench" / "blocked_save.py")
-    args = ["--tensors", "30", "--saves", "3"]
+    args = ["--tensors", "30", "--saves", "3"] + (["--persistent"] if persistent else [])
     cmd = [sys.executable, script, *args]
     if ranks > 1:
         cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}", script, *args]
@@ -41,5 +41,11 @@ def test_blocked_save_prints_a_time_per_save(ranks: int, tmp_path: Path) -> None
             rows["plain"] = words[2:]
         elif words[:1] == ["cached_metadata"]:
             rows["cached"] = words[1:]
-    assert len(rows["plain"]) == len(rows["cached"]) == 3, proc.stdout
-    assert all(float(t) > 0 for t in rows["plain"] + rows["cached"])
+        elif words[:3] == ["schedule,", "no", "cache"]:
+            rows["schedule plain"] = words[3:]
+        elif words[:2] == ["schedule,", "cached_metadata"]:
+            rows["schedule cached"] = words[2:]
+    assert ("persistent worker" if persistent else "temporal caller") in proc.stdout
+    assert set(rows) == {"plain", "cached", "schedule plain", "schedule cached"}, proc.stdout
+    assert all(len(times) == 3 for times in rows.values()), proc.stdout
+    assert all(float(t) > 0 for times in rows.values() for t in times)
