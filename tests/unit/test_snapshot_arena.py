@@ -102,6 +102,22 @@ def test_a_request_carries_each_segment_once() -> None:
         arena.release(key)
     assert sizes[1] == sizes[2]  # later requests: offsets only
     assert arena.stats["allocated"] == 1
+    assert not arena.placed  # the views' places are forgotten once pickled
+    arena.close()
+
+
+def test_views_found_by_place_or_by_search_pickle_alike() -> None:
+    """The pickler finds a view stage() made by its id; forgotten, it finds it by
+    searching the segments: the request's bytes are the same either way."""
+    arena = SnapshotArena(pinned=False)
+    bucket = _bucket("/x/f", _state())
+    key = arena.stage(StageBuckets([bucket]), copy_cpu=True)
+    assert key is not None and len(arena.placed) == len(bucket.tensor_items)
+    sent = {key}  # the segment itself went before: both requests carry offsets only
+    found, _ = ArenaPickler.request_bytes(("fn", [bucket]), arena, sent, True)
+    assert not arena.placed
+    searched, _ = ArenaPickler.request_bytes(("fn", [bucket]), arena, sent, True)
+    assert found == searched
     arena.close()
 
 

@@ -108,6 +108,11 @@ class SnapshotArena:
     segments: dict[str, _Segment] = field(default_factory=dict)
     retired: list[str] = field(default_factory=list)  # dropped; the worker may unmap them
     stats: dict[str, int] = field(default_factory=lambda: {"allocated": 0, "reused": 0})
+    # The views the last stage() made, by id: (view, segment, byte offset). The request's
+    # pickler finds a view's place here (one lookup) and forgets them all once done.
+    placed: dict[int, tuple[torch.Tensor, _Segment, int]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def _new_segment(self, nbytes: int) -> _Segment:
         meta = torch.empty(nbytes, dtype=torch.uint8, device="meta")
@@ -148,6 +153,7 @@ class SnapshotArena:
         in practice) are staged by the step's own copier. Returns once every copy is
         complete.
         """
+        self.placed.clear()
         picks: list[tuple[TensorSlot, torch.Tensor]] = []
         rest: list[tuple[TensorSlot, torch.Tensor]] = []
         for slot in step.slots():
@@ -167,6 +173,7 @@ class SnapshotArena:
             view = _view_at(segment.data, typed, offset, t)
             copy_to_host(view, t, streams)
             slot.put(view)
+            self.placed[id(view)] = (view, segment, offset)
             offset += size
         for stream in streams.values():
             stream.synchronize()
@@ -248,6 +255,9 @@ class ArenaPickler(ForkingPickler):
         self._retire_sent = False
 
     def reducer_override(self, obj: Any) -> Any:
+        placed = self.arena.placed.get(id(obj)) if self.arena is not None else None
+        if placed is not None and placed[0] is obj:  # a view stage() just made
+            return self._reduce_view(obj, placed[1], placed[2])
         if not isinstance(obj, torch.Tensor) or not obj.is_cpu:
             return NotImplemented
         if obj.layout != torch.strided:
@@ -284,7 +294,11 @@ class ArenaPickler(ForkingPickler):
         records the segments sent and forgets the retired keys sent)."""
         buf = io.BytesIO()
         pickler = cls(buf, None, arena, sent, snapshot_cpu)
-        pickler.dump(obj)
+        try:
+            pickler.dump(obj)
+        finally:
+            if arena is not None:
+                arena.placed.clear()
         retired = list(arena.retired) if arena is not None and pickler._retire_sent else []
 
         def delivered() -> None:
