@@ -18,12 +18,14 @@ import json
 import logging
 import zlib
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
 from ...errors import CheckpointingException, CorruptCheckpointError
 from .. import knobs
 from ..collectives import RankGroup
+from ..process import cores_per_rank
 from ..storage.location import CheckpointDir
 from . import commit
 
@@ -47,8 +49,15 @@ def file_digest(ckpt: CheckpointDir, name: str) -> str:
 
 
 def digest_files(ckpt: CheckpointDir, names: Iterable[str]) -> dict[str, str]:
-    """``{name: sha256}`` for the given files of the checkpoint."""
-    return {n: file_digest(ckpt, n) for n in sorted(set(names))}
+    """``{name: sha256}`` for the given files of the checkpoint: on as many threads as
+    this rank has cores (hashing and reading release the GIL), one file each."""
+    ordered = sorted(set(names))
+    threads = min(len(ordered), cores_per_rank())
+    if threads <= 1:
+        return {n: file_digest(ckpt, n) for n in ordered}
+    with ThreadPoolExecutor(threads, thread_name_prefix="dist-ckpt-digest") as pool:
+        digests = list(pool.map(lambda n: file_digest(ckpt, n), ordered))
+    return dict(zip(ordered, digests))
 
 
 def _manifest_bytes(digests: dict[str, str]) -> bytes:
