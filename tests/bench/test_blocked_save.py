@@ -3,34 +3,19 @@ save, on one rank (plain python) and on two (torchrun)."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.bench.launch import TORCHRUN, bench_command, bench_env
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to python")
 @pytest.mark.parametrize("ranks,persistent", [(1, False), (2, False), (1, True)])
 def test_blocked_save_prints_a_time_per_save(ranks: int, persistent: bool, tmp_path: Path) -> None:
-    script = str(ROOT / "bench" / "blocked_save.py")
     args = ["--tensors", "30", "--saves", "3"] + (["--persistent"] if persistent else [])
-    cmd = [sys.executable, script, *args]
-    if ranks > 1:
-        cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}", script, *args]
-    env = dict(os.environ, TMPDIR=str(tmp_path), MASTER_PORT=str(_free_port()))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd, env = bench_command("blocked_save.py", args, ranks), bench_env(tmp_path)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert f"{ranks} rank(s)" in proc.stdout
