@@ -63,6 +63,11 @@ class ShardRecord(NamedTuple):
     is_main: bool
 
 
+# Field positions of a record (a ShardRecord, or the plain tuple of its fields that the
+# split check receives): the fast paths index them, as the wire tuples have no names.
+_DTYPE, _SHAPE, _OFFSET, _CHUNK, _FLAT, _MAIN = 2, 3, 4, 5, 6, 7
+
+
 _new_tuple = tuple.__new__
 
 
@@ -102,9 +107,10 @@ def shard_record(sh: ShardedBase | ShardRecord) -> ShardRecord:
     raise TypeError(f"expected a ShardedTensor or ShardedObject, got {type(sh).__name__}")
 
 
-def stored_object_name(rec: ShardRecord) -> str:
-    """The name an object shard's record is stored under (its ``unique_key``)."""
-    return object_unique_key(rec.key, rec.global_offset, rec.global_shape)
+def stored_object_name(rec: tuple[Any, ...]) -> str:
+    """The name an object shard's record (a :class:`ShardRecord`, or the plain tuple of
+    its fields) is stored under (its ``unique_key``)."""
+    return object_unique_key(rec[0], rec[_OFFSET], rec[_SHAPE])
 
 
 def _intersection(a: _Block, b: _Block) -> _Block | None:
@@ -196,11 +202,6 @@ def _flat_blocks(key: str, shards: list[tuple[int, ShardRecord]]) -> tuple[list[
             )
         blocks.append(block)
     return blocks, problems
-
-
-# Field positions of a record (a ShardRecord, or the plain tuple of its fields that the
-# split check receives): the fast paths index them, as the wire tuples have no names.
-_DTYPE, _SHAPE, _OFFSET, _CHUNK, _FLAT, _MAIN = 2, 3, 4, 5, 6, 7
 
 
 def _offset_of(rec: tuple[Any, ...]) -> Any:
@@ -341,7 +342,7 @@ def keyed_problems(global_metadata: Sequence[Sequence[Any]]) -> list[KeyProblems
             else:
                 objects[key].append((rank, sh))
                 if sh[_MAIN]:  # the shards that are stored
-                    names[stored_object_name(ShardRecord._make(sh))] = key
+                    names[stored_object_name(sh)] = key
     out: list[KeyProblems] = [
         (_SECTION_MIXED, key, [f"'{key}': used both as a ShardedTensor and as a ShardedObject"])
         for key in tensors.keys() & objects.keys()

@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from ..._torch_compat import new_shared_tensor_like
 from ..storage.host_staging import StagingStep, TensorSlot, copy_to_host, stage_slots
 from ..storage.staging_pool import pinning_available
+from ..storage.tensor_bytes import contiguous_strides
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +58,8 @@ def _view_at(
     if base is None:
         base = typed[dtype] = data.view(dtype)
     shape = like.shape
-    strides = like.stride() if like.is_contiguous() else _contiguous_strides(shape)
+    strides = like.stride() if like.is_contiguous() else contiguous_strides(shape)
     return base.as_strided(shape, strides, offset // like.element_size())
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 @dataclass(eq=False)

@@ -21,6 +21,7 @@ from ..safety import safe_torch_load
 from .byte_ranges import ItemBytes
 from .item_reader import TensorRecord
 from .staging_pool import fill_from_host, shared_pool
+from .tensor_bytes import contiguous_strides
 
 
 def _check_request(
@@ -43,15 +44,6 @@ def _check_request(
 
 
 @functools.lru_cache(maxsize=4096)
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
-
-
 @functools.cache
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -67,7 +59,7 @@ def copy_region(
     if numel == 0:
         return
     itemsize = _itemsize(rec.dtype)
-    strides = _strides(rec.shape)
+    strides = contiguous_strides(rec.shape)
     first = rec.storage_offset
     last = first
     for o, n, st in zip(read_item.storage_offsets, lengths, strides):

@@ -22,4 +22,14 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-__all__ = ["byte_view"]
+def contiguous_strides(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """The strides, in elements, of a C-order contiguous tensor of ``shape``."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+__all__ = ["byte_view", "contiguous_strides"]

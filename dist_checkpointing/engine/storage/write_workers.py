@@ -144,7 +144,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
         staged = TensorItemWriter(bucket.tensor_items, compute_crc)
         try:
             for i, (item, tensor) in enumerate(bucket.tensor_items):
-                pad = item_padding(offset, tensor.numel() * tensor.element_size())
+                pad = item_padding(offset, tensor.nbytes)
                 if pad:  # zero bytes between items (see item_padding)
                     offset += stream.write(bytes(pad))
                 stream.begin_item()
