@@ -115,7 +115,7 @@ def finalize_save(
                 names = written()
                 if group.is_coordinator:  # the format's metadata (.metadata) is covered too
                     names += [n for n in sharded_strategy.commit_files if ckpt.has(n)]
-                integrity.record(ckpt, group, names)
+                integrity.record(ckpt, group, names, ckpt.context.file_digests)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
         try:  # a failure on any rank: nothing is committed, on every rank

@@ -200,7 +200,8 @@ def save(
             applied to the common state before it is compared across ranks.
         async_strategy: Megatron-Core 0.19's choice of async writer: ``"mcore"``
             (or None) selects ours; ``"nvrx"`` is not supported.
-        verify_integrity: record a sha256 of every data file (``integrity.json``).
+        verify_integrity: record a sha256 of every data file (``integrity.json``),
+            computed by the writers from the bytes they write (no second read).
         content_metadata: a dict stored with the common state, read back by
             :func:`load_content_metadata`.
         process_group: the ranks that save this checkpoint together (default: the
@@ -225,7 +226,7 @@ def save(
         sharded_part, common_part = save_preprocess(
             sharded_state_dict, validate_access_integrity, check_common, process_group, cache
         )
-    commit.begin(ckpt, group, functools.partial(owns_file, sharded, common))
+    commit.begin(ckpt, group, functools.partial(owns_file, sharded, common), verify_integrity)
     if content_metadata is not None:
         common_part[CONTENT_METADATA_KEY] = content_metadata
     finalize = functools.partial(

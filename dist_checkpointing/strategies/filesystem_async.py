@@ -41,7 +41,9 @@ from ..engine.storage.metadata_blob import metadata_bytes
 from ..engine.storage.metadata_index import INDEX_NAME, encode_index
 from ..engine.storage.resolve import is_url
 from ..engine.storage.result_table import ResultTable
+from ..engine.storage.results_channel import FileResultsQueue, ResultsQueue
 from ..engine.storage.write_results import (
+    WriteOutcome,
     data_file_checksums,
     get_write_results_queue,
     result_table,
@@ -50,8 +52,6 @@ from ..engine.storage.write_results import (
     wait_for_outcome,
 )
 from ..engine.storage.write_workers import (
-    FileResultsQueue,
-    ResultsQueue,
     StageBuckets,
     WriteBucket,
     write_buckets_in_process,
@@ -254,6 +254,7 @@ class FileSystemWriterAsync(StorageWriter):
             type(self).write_preloaded_data,
         )
         self._write_results = results_in_order(outcome, [b.path for b in self._buckets])
+        self._keep_digests(outcome)
         future: Future[list[WriteResult]] = Future()
         future.set_result(self._write_results)
         return future
@@ -343,6 +344,8 @@ class FileSystemWriterAsync(StorageWriter):
             checksum_block_bytes=self.location.context.block_bytes,
             layout=self.bucket_layout,
         )
+        for bucket in self._buckets:  # the integrity manifest's sha256, as bytes go out
+            bucket.digest = self.location.context.digest_data_files
         self._write_results = self._table = None
         logger.debug(
             "rank %d: %d items in %d buckets",
@@ -433,10 +436,18 @@ class FileSystemWriterAsync(StorageWriter):
         finally:
             self.close()
         self._table = result_table(outcome, paths)
+        self._keep_digests(outcome)
         for bucket in self._buckets:  # written: only the results are needed from here on
             bucket.release()
         self.bucket_layout = None  # the saver keeps it where it caches the plan
         return self._table
+
+    def _keep_digests(self, outcome: WriteOutcome) -> None:
+        """Hand the files' sha256 the writers computed to the save (its manifest)."""
+        assert self._buckets is not None
+        digests = self.location.context.file_digests
+        for idx, sha256 in outcome.digests.items():
+            digests[self._buckets[idx].relative_path] = sha256
 
     def release_write_results(self) -> None:
         """Let go of the results :meth:`retrieve_write_results` and
@@ -450,7 +461,10 @@ class FileSystemWriterAsync(StorageWriter):
     def write_preloaded_data(
         bucket: WriteBucket, fs: FileSystemIO, sync_files: bool
     ) -> list[WriteResult]:
-        """Write one staged bucket file and return its WriteResults.
+        """Write one staged bucket file and return its WriteResults (a
+        :class:`~..engine.storage.write_results.FileResults`, with the file's sha256
+        when the save records an integrity manifest; a plain list makes the save digest
+        the file by reading it back).
 
         What every writer thread and worker process runs, looked up on the class
         when the save is prepared: replace it (e.g. ``monkeypatch.setattr(

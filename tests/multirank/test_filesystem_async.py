@@ -46,7 +46,7 @@ from dist_checkpointing.engine.storage import item_reader, item_writer, resolve
 from dist_checkpointing.engine.storage import write_workers as ww
 from dist_checkpointing.engine.storage.bucketing import item_size, plan_buckets, split_by_size
 from dist_checkpointing.engine.storage.result_table import ResultTable
-from dist_checkpointing.engine.storage.write_workers import FileResultsQueue
+from dist_checkpointing.engine.storage.results_channel import FileResultsQueue
 from dist_checkpointing.errors import (
     CheckpointingException,
     CheckpointWriteError,

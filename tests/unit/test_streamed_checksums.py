@@ -6,15 +6,16 @@ staging buffers and checksum blocks."""
 
 from __future__ import annotations
 
+import hashlib
 import io
-import os
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dist_checkpointing.engine.raw import writer
+from dist_checkpointing.engine.raw import data_files
 from dist_checkpointing.engine.storage.checksums import BlockHasher, block_crcs
 from dist_checkpointing.engine.storage.staging_pool import CopyAhead, StagingPool, byte_view
 
@@ -66,19 +67,22 @@ def test_streamed_items_land_at_their_offsets_with_the_host_checksums(
     crcs: list[int] = []
     size = offsets[-1] + sizes[-1]
     path = tmp_path_factory.mktemp("streamed") / "f"
-    stream = io.BytesIO()
-    fd = os.open(path, os.O_CREAT | os.O_RDWR) if to_file else None
+    stream: Any = open(path, "w+b", buffering=0) if to_file else io.BytesIO()  # noqa: SIM115
+    out = data_files._Out(stream, None, hashlib.sha256())
+    pos = 0
     try:
-        for offset in offsets:
-            if fd is None:
-                stream.write(bytes(offset - stream.tell()))
-            writer._write_streamed(stream if fd is None else fd, chunks, offset, block, crcs)
+        for offset, n in zip(offsets, sizes):
+            if offset > pos:
+                out.put([bytes(offset - pos)], pos)  # the gap, as the writer writes it
+            data_files._write_streamed(out, chunks, offset, block, crcs)
+            pos = offset + n
     finally:
         chunks.close()
-        if fd is not None:
-            os.close(fd)
+        if to_file:
+            stream.close()
     written = path.read_bytes() if to_file else stream.getvalue()
     assert len(written) == size
+    assert out.sha.hexdigest() == hashlib.sha256(written).hexdigest()  # every byte, in order
     expected: list[int] = []
     for t, offset in zip(tensors, offsets):
         assert written[offset : offset + t.numel()] == t.numpy().tobytes()

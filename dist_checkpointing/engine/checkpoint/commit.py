@@ -93,6 +93,7 @@ def _attach(ckpt: CheckpointDir, session: SaveSession) -> None:
     ctx.block_bytes = session.block_bytes if knobs.WRITE_CHECKSUMS.get() else 0
     ctx.attachments["session"] = session
     ctx.attachments["save_id"] = session.save_id
+    ctx.file_digests = {}
 
     def on_write(name: str, data: bytes) -> None:
         session.files[name] = FileEntry.of(data, session.block_bytes)
@@ -108,17 +109,26 @@ def _detach(ckpt: CheckpointDir) -> None:
     ctx.save_tag = ""
     ctx.on_write = None
     ctx.on_data_files = None
+    ctx.digest_data_files = False
+    ctx.file_digests = {}
     ctx.attachments.pop("session", None)
 
 
 # --------------------------------------------------------------------------- save
 
 
-def begin(ckpt: CheckpointDir, group: RankGroup, owns_file: Callable[[str], bool]) -> SaveSession:
+def begin(
+    ckpt: CheckpointDir,
+    group: RankGroup,
+    owns_file: Callable[[str], bool],
+    digest_data_files: bool = False,
+) -> SaveSession:
     """Step 1 (collective): lock, recover, clean up, agree on the save id.
 
     ``owns_file(name)`` says which files of the directory belong to checkpoints
     (the strategies' files and the protocol's): only those are ever deleted.
+    ``digest_data_files``: the save records an integrity manifest, so its data file
+    writers compute each file's sha256 as they write it (``ckpt.context``).
     """
     outcome: tuple[str, str] = ("ok", "")
     error: BaseException | None = None
@@ -151,6 +161,7 @@ def begin(ckpt: CheckpointDir, group: RankGroup, owns_file: Callable[[str], bool
         save_id, data_tag = value.split(":")
         session = SaveSession(save_id, block_size(), owns_file=owns_file, data_tag=data_tag)
     _attach(ckpt, session)
+    ckpt.context.digest_data_files = digest_data_files
     return session
 
 

@@ -1,6 +1,8 @@
 """File digests for ``verify_integrity`` (Megatron-Core 0.19's save/load parameter).
 
-At save, every rank digests the data files it wrote; the coordinator writes
+At save, the data file writers compute each file's sha256 from the bytes they write
+(no second read; in the background process of an async save), every rank digests the
+other files it wrote (the common state, the metadata), and the coordinator writes
 ``integrity.json`` (staged, committed with the save). At load, every rank re-digests
 the metadata files and ``common.pt`` before it unpickles them, and each data file read
 is re-digested by one of the ranks that read it (:func:`verify_files_read`), so a load
@@ -17,7 +19,7 @@ import hashlib
 import json
 import logging
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
@@ -70,13 +72,22 @@ def write_manifest(ckpt: CheckpointDir, digests: dict[str, str]) -> None:
     ckpt.atomic_write(INTEGRITY_FNAME, _manifest_bytes(digests))
 
 
-def record(ckpt: CheckpointDir, group: RankGroup, names: Iterable[str]) -> None:
-    """Every rank digests ``names`` (the files it wrote); the coordinator writes the
-    manifest of all of them (collective)."""
+def record(
+    ckpt: CheckpointDir,
+    group: RankGroup,
+    names: Iterable[str],
+    known: Mapping[str, str] | None = None,
+) -> None:
+    """Every rank digests ``names`` (the files it wrote) but those in ``known`` (the
+    digests its writers computed from the bytes they wrote); the coordinator writes
+    the manifest of all of them (collective)."""
     digests: dict[str, str] = {}
     error: BaseException | None = None
+    known = known or {}
     try:
-        digests = digest_files(ckpt, names)
+        listed = set(names)
+        digests = {n: known[n] for n in listed if n in known}
+        digests.update(digest_files(ckpt, listed.difference(digests)))
     except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
         error = exc
     group.fail_together(error, f"Digesting the files of {ckpt}")

@@ -22,10 +22,10 @@ import torch
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from ..storage.location import CheckpointDir
 from ..storage.staging_pool import callers_stream, fill_from_host
+from .data_files import buffer_of
 from .index import INDEX_NAME, KIND_FLAT, KIND_OBJECT, RawIndex, parse_index
 from .load_plan import LoadPlan, LoadPlanner, finish_objects
 from .reader import RawReader, Read
-from .writer import buffer_of
 
 
 def read_index(ckpt: CheckpointDir) -> RawIndex:

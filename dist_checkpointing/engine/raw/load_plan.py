@@ -34,9 +34,9 @@ from ..._shard_geometry import box_intersection, box_slices, flat_range_rows
 from ...errors import CheckpointingException, CorruptCheckpointError, ShapeMismatchError
 from ...mapping import ShardedObject, ShardedTensor
 from ..storage.staging_pool import StagingPool, shared_pool
+from .data_files import buffer_of
 from .index import DTYPES, ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
 from .reader import Read
-from .writer import buffer_of
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

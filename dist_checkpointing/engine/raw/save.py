@@ -10,7 +10,8 @@ Call sequence (every rank; "C" is the coordinator):
    front and streams them through the staging pool while writing);
 3. its ``async_fn`` (:func:`write_and_report`) writes the rank's data files,
    in this process (sync save) or a background one (async save), and reports the
-   item checksums (or the failure) through a results queue;
+   item checksums and, for a save that records an integrity manifest, each file's
+   sha256 (or the failure) through a results queue;
 4. its finalize function (:func:`finalize`): every rank collects its outcome
    (a failure anywhere raises on every rank), C gathers the index pieces, writes
    ``.raw_index`` (staged by the commit protocol, recorded in ``commit.json``)
@@ -35,9 +36,10 @@ from ..collectives import RankGroup
 from ..process import format_current_exception
 from ..storage.item_checksums import DataFileEntry
 from ..storage.location import CheckpointDir
-from ..storage.write_workers import FileResultsQueue
+from ..storage.results_channel import FileResultsQueue
+from .data_files import FileWritten, write_rank
 from .index import INDEX_NAME, IndexPiece, merge_pieces
-from .writer import RankWrite, StageRankWrite, plan_rank, write_rank
+from .writer import RankWrite, StageRankWrite, plan_rank
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ def write_and_report(wr: RankWrite, results: Any) -> None:
     results.put(outcome)
 
 
-def _outcome(results: Any, names: list[str], rank: int) -> list[np.ndarray]:
+def _outcome(results: Any, names: list[str], rank: int) -> list[FileWritten]:
     timeout = knobs.RESULTS_TIMEOUT_S.get()
     try:
         status, value = results.get(timeout=timeout)
@@ -82,9 +84,11 @@ def finalize(
     """Step 4 of the module docstring (every rank)."""
     error: BaseException | None = None
     try:
-        crcs = _outcome(results, wr.names, group.rank) if wr.names else []
-        if crcs:
-            piece.crcs = np.concatenate(crcs).astype("<u4", copy=False)
+        files = _outcome(results, wr.names, group.rank) if wr.names else []
+        if files:
+            piece.crcs = np.concatenate([f.crcs for f in files]).astype("<u4", copy=False)
+        digests = {n: f.sha256 for n, f in zip(wr.names, files) if f.sha256 is not None}
+        ckpt.context.file_digests.update(digests)  # for the integrity manifest
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     group.fail_together(error, f"Writing {ckpt}")
@@ -130,6 +134,7 @@ def save_request(
     except Exception:  # noqa: BLE001 - reported on every rank by the request
         cause = format_current_exception(f"rank {group.rank} planning its data files")
         return AsyncRequest(_refuse, (cause,), [])
+    wr.digest = ckpt.context.digest_data_files
     results: Any = queue.SimpleQueue() if in_process else FileResultsQueue(group.rank)
     fin = functools.partial(finalize, ckpt, group, wr, piece, results)
     # A synchronous save with a copy-ahead budget stages nothing up front: the writer

@@ -1,24 +1,16 @@
-"""Writing a rank's part of a ``raw_bytes`` checkpoint.
+"""Planning a rank's part of a ``raw_bytes`` checkpoint.
 
 :func:`plan_rank` turns a rank's main-replica leaves into one :class:`RankWrite`
 (which bytes go where: a few data files per rank, every item at an aligned
 offset) and the rank's :class:`~.index.IndexPiece` (entries built as numpy
 arrays from plain lists: no Python object per item beyond the list entries).
-:func:`write_rank` writes the files (``os.pwritev``: one system call for up to
-1,024 items, straight from the tensors' memory, no copy into a buffer),
-checksumming each item's bytes as they go out, and returns the checksums.
-It is module-level and takes one picklable argument, so it runs unchanged in a
-background process of an async save.
+:func:`.data_files.write_rank` writes the files.
 """
 
 from __future__ import annotations
 
-import ctypes
 import io
 import math
-import os
-from collections.abc import Generator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,16 +18,8 @@ import numpy as np
 import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
-from .. import knobs
-from ..storage.base import FileSystemIO
-from ..storage.checksums import BlockHasher, block_crcs, crc
 from ..storage.host_staging import StagingStep, TensorSlot
 from ..storage.names import safe_name
-from ..storage.positional import IOV_MAX, descriptor, vectored_all
-from ..storage.resolve import filesystem_for
-from ..storage.staging_pool import Chunk, CopyAhead, shared_pool
-from ..storage.tensor_bytes import byte_view
-from ..storage.writeback import Writeback
 from .index import (
     DATA_SUFFIX,
     DTYPE_NAMES,
@@ -47,9 +31,6 @@ from .index import (
     IndexPiece,
     dtype_name,
 )
-
-_MAX_WRITE = 1 << 30  # bytes per pwritev call (Linux writes at most ~2 GiB per call)
-_PIECE = 8 << 20  # large items are checksummed and written in pieces of this size
 
 
 def data_file_name(rank: int, n: int, save_tag: str = "") -> str:
@@ -69,6 +50,7 @@ class RankWrite:
     block_bytes: int
     sync: bool = True
     sizes: list[int] = field(default_factory=list)
+    digest: bool = False  # also compute each file's sha256 (for the integrity manifest)
 
 
 @dataclass(frozen=True)
@@ -248,190 +230,9 @@ def plan_rank(
     return write, piece
 
 
-# --------------------------------------------------------------------------- writing
-
-
-def buffer_of(data: Any) -> Any:
-    """A buffer over the bytes of ``data`` (a contiguous CPU tensor, or bytes) without a
-    copy; the caller keeps ``data`` alive while the buffer is used."""
-    if not isinstance(data, torch.Tensor):
-        return data
-    n = data.numel() * data.element_size()
-    if n == 0:
-        return b""
-    return (ctypes.c_char * n).from_address(data.data_ptr())
-
-
-def _write_file(
-    fs: FileSystemIO, path: str, items: list[tuple[int, int, Any]], wr: RankWrite
-) -> list[int]:
-    """Write one data file; returns the checksums of its items, in order."""
-    crcs: list[int] = []
-    block = wr.block_bytes
-    stream = fs.open_write(path)
-    try:
-        fd = descriptor(stream)
-        wb = fs.writeback(stream) if wr.sync and fd is not None else None
-        # A batch of small items goes out by the time write-back is due.
-        max_write = _MAX_WRITE if wb is None else min(_MAX_WRITE, wb.every)
-        pos = 0
-        batch: list[Any] = []
-        batch_at = batch_bytes = 0
-        chunks = _device_chunks(items)
-        for offset, size, data in items:
-            on_device = size and isinstance(data, torch.Tensor) and not data.is_cpu
-            if on_device or (fd is not None and size > _PIECE):
-                # Large or on a device: checksummed and written piece by piece.
-                if fd is None:
-                    stream.write(bytes(offset - pos))
-                elif batch or offset > pos:
-                    batch.append(bytes(offset - pos))
-                    _pwritev_all(fd, batch, batch_at if batch[:-1] else pos)
-                    batch, batch_bytes = [], 0
-                if fd is not None and not on_device:
-                    _write_large(fd, _host_buffer(data, size), offset, block, crcs, wb)
-                else:
-                    assert chunks is not None
-                    out = stream if fd is None else fd
-                    _write_streamed(out, chunks, offset, block, crcs, wb)
-                pos = offset + size
-                continue
-            buf = _host_buffer(data, size)
-            if block:  # checksummed as the bytes go out (one call for a small item)
-                if size <= block:
-                    crcs.append(crc(buf))
-                else:
-                    crcs += block_crcs(buf, block)
-            if fd is None:  # a stream (object storage): write it piece by piece
-                if offset > pos:
-                    stream.write(bytes(offset - pos))
-                stream.write(buf)
-                pos = offset + size
-                continue
-            if not batch:
-                batch_at = pos
-            if offset > pos:
-                batch.append(bytes(offset - pos))
-                batch_bytes += offset - pos
-            if size:
-                batch.append(buf)
-                batch_bytes += size
-            pos = offset + size
-            if len(batch) >= IOV_MAX - 1 or batch_bytes >= max_write:
-                _pwritev_all(fd, batch, batch_at)
-                batch, batch_bytes = [], 0
-                if wb is not None:
-                    wb.advance(pos)
-        if fd is not None and batch:
-            _pwritev_all(fd, batch, batch_at)
-        if wr.sync:
-            fs.fsync(stream)
-    finally:
-        if chunks is not None:
-            chunks.close()  # an abandoned write gives its staging buffers back
-        stream.close()
-    return crcs
-
-
-def _host_buffer(data: Any, size: int) -> Any:
-    """The ``size`` bytes of ``data`` (bytes, or a contiguous CPU tensor) as a buffer."""
-    if size == 0:
-        return b""
-    if type(data) is bytes:
-        return data
-    if not data.is_contiguous():  # the staging step copies these: never write past them
-        raise ValueError(f"a non-contiguous tensor of shape {tuple(data.shape)} reached the writer")
-    return (ctypes.c_char * size).from_address(data.data_ptr())
-
-
-def _device_chunks(items: list[tuple[int, int, Any]]) -> Generator[Chunk, None, None] | None:
-    """The bytes of the file's accelerator tensors (a synchronous save stages nothing
-    up front), streamed through this process's staging pool: the copy of the next
-    chunk overlaps the write of this one; None when every item is on the host."""
-    sources = [
-        byte_view(data.contiguous())
-        for _, size, data in items
-        if size and isinstance(data, torch.Tensor) and not data.is_cpu
-    ]
-    if not sources:
-        return None
-    # With COPY_AHEAD_BYTES=0 the save stages everything first; a caller that did not
-    # still gets a bounded copy: a pool of one buffer.
-    pool = shared_pool() or shared_pool(budget_bytes=knobs.STAGING_BUFFER_BYTES.get())
-    assert pool is not None
-    return iter(CopyAhead(pool, sources))
-
-
-def _write_streamed(
-    out: Any,
-    chunks: Generator[Chunk, None, None],
-    offset: int,
-    block: int,
-    crcs: list[int],
-    wb: Writeback | None = None,
-) -> None:
-    """Write the next source of ``chunks`` at ``offset`` (``out``: a descriptor, or a
-    stream positioned there), checksumming each chunk as it goes out."""
-    hasher = BlockHasher(block) if block else None
-    for chunk in chunks:
-        if hasher is not None:
-            hasher.feed(chunk.view, len(chunk.view))
-        if isinstance(out, int):
-            _pwritev_all(out, [chunk.view], offset + chunk.offset)
-            if wb is not None:
-                wb.advance(offset + chunk.offset + len(chunk.view))
-        else:
-            out.write(chunk.view)
-        if chunk.last:
-            break
-    if hasher is not None:
-        crcs += hasher.finish()
-
-
-def _write_large(
-    fd: int, buf: Any, offset: int, block: int, crcs: list[int], wb: Writeback | None = None
-) -> None:
-    """One large item in pieces of about ``_PIECE`` bytes (whole checksum blocks), each
-    checksummed just before it is written, while its bytes are still in the CPU cache."""
-    view = memoryview(buf).cast("B")
-    piece = max(block, _PIECE // block * block) if block else _PIECE
-    for start in range(0, len(view), piece):
-        part = view[start : start + piece]
-        if block:
-            crcs += block_crcs(part, block)
-        _pwritev_all(fd, [part], offset + start)
-        if wb is not None:
-            wb.advance(offset + start + len(part))
-
-
-def _short_write(offset: int) -> Exception:
-    return OSError(f"pwritev wrote nothing at offset {offset}")
-
-
-def _pwritev_all(fd: int, buffers: list[Any], offset: int) -> None:
-    """Write ``buffers`` back to back at ``offset`` (a short write continues)."""
-    vectored_all(os.pwritev, fd, buffers, offset, _short_write)
-
-
-def write_rank(wr: RankWrite) -> list[np.ndarray]:
-    """Write every data file of ``wr`` (one thread per file); returns each file's item
-    checksums. Raises whatever writing raised."""
-    fs = filesystem_for(wr.root)
-    paths = [fs.join(wr.root, name) for name in wr.names]
-    jobs = list(zip(paths, wr.items))
-    if len(jobs) <= 1:
-        results = [_write_file(fs, p, it, wr) for p, it in jobs]
-    else:
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(pool.map(lambda job: _write_file(fs, job[0], job[1], wr), jobs))
-    return [np.array(r, dtype="<u4") for r in results]
-
-
 __all__ = [
     "RankWrite",
     "StageRankWrite",
-    "buffer_of",
     "data_file_name",
     "plan_rank",
-    "write_rank",
 ]

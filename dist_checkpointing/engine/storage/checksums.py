@@ -19,6 +19,7 @@ block is read, so that a spare core hides the checksum.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -159,11 +160,16 @@ class ChecksumStream:
     Call :meth:`begin_item` before an item's bytes and :meth:`end_item` after them;
     everything else (``tell``, ``flush``, ``fileno``...) goes to the wrapped stream. With
     ``writeback``, the file's write-back to disk is started as its bytes go out (see
-    :mod:`.writeback`).
+    :mod:`.writeback`); with ``digest``, the sha256 of the whole file is computed from
+    the same bytes (:meth:`file_digest`: the integrity manifest's, without a second read).
     """
 
     def __init__(
-        self, stream: BinaryIO, block_bytes: int, writeback: Writeback | None = None
+        self,
+        stream: BinaryIO,
+        block_bytes: int,
+        writeback: Writeback | None = None,
+        digest: bool = False,
     ) -> None:
         self._stream = stream
         self._block_bytes = block_bytes  # <= 0: pass bytes through, record nothing
@@ -171,6 +177,11 @@ class ChecksumStream:
         self._hasher: BlockHasher | None = None
         self._position = 0
         self._item_start = 0
+        self._file_hash = hashlib.sha256() if digest else None  # of every byte written
+
+    def file_digest(self) -> str | None:
+        """The sha256 (hex) of everything written so far; None unless ``digest``."""
+        return None if self._file_hash is None else self._file_hash.hexdigest()
 
     def begin_item(self) -> None:
         self._hasher = BlockHasher(self._block_bytes) if self._block_bytes > 0 else None
@@ -189,6 +200,8 @@ class ChecksumStream:
             raise OSError(f"short write: {n} of {size} bytes")
         if self._hasher is not None:
             self._hasher.feed(data, size)
+        if self._file_hash is not None:
+            self._file_hash.update(data)
         self._position += size
         if self._writeback is not None:
             self._writeback.advance(self._position)

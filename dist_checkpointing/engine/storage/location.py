@@ -52,7 +52,11 @@ class DirContext:
       (None: not recorded);
     - ``block_bytes``: at load, the block size of those checksums; during a save,
       the block size of the item checksums to write (0: write none);
-    - ``save_tag``: part of the data file names of this save.
+    - ``save_tag``: part of the data file names of this save;
+    - ``digest_data_files``: during a save that records an integrity manifest, the
+      data file writers compute each file's sha256 from the bytes they write;
+    - ``file_digests``: the sha256 of this rank's data files that its writers
+      reported (name -> hex digest), for the manifest.
     """
 
     stage: Callable[[str], str] | None = None
@@ -63,6 +67,8 @@ class DirContext:
     item_checksum: Callable[[str, int], ItemChecksum | None] | None = None
     block_bytes: int = 0
     save_tag: str = ""
+    digest_data_files: bool = False
+    file_digests: dict[str, str] = field(default_factory=dict)
     attachments: dict[str, Any] = field(default_factory=dict)
 
 

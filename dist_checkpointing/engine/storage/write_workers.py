@@ -15,16 +15,11 @@ import errno
 import gc
 import logging
 import os
-import pickle
-import queue
-import shutil
 import signal
-import tempfile
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -39,18 +34,11 @@ from .item_checksums import ItemChecksum
 from .item_codec import decode_tensor_items, encode_tensor_items
 from .item_writer import item_padding
 from .resolve import filesystem_for
+from .results_channel import ResultsQueue
 from .staging_pool import TensorItemWriter
-from .write_results import WriteOutcome
+from .write_results import FileResults, WriteOutcome
 
 logger = logging.getLogger(__name__)
-
-
-class ResultsQueue(Protocol):
-    """What the write function needs to hand its outcome back (a queue-like object)."""
-
-    def put(self, obj: Any) -> None: ...
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
 
 
 @dataclass
@@ -66,6 +54,7 @@ class WriteBucket:
     byte_items: list[tuple[WriteItem, Any]] = field(default_factory=list)  # (item, BytesIO)
     tensor_items: list[tuple[WriteItem, torch.Tensor]] = field(default_factory=list)
     checksum_block_bytes: int = 0  # 0: no checksums (a save outside the commit protocol)
+    digest: bool = False  # also compute the file's sha256 (for the integrity manifest)
 
     def release(self) -> None:
         """Drop the items and their data once the file is written and its results are
@@ -78,16 +67,22 @@ class WriteBucket:
         records = encode_tensor_items([item for item, _ in self.tensor_items])
         fields = (self.path, self.relative_path, self.byte_items)
         if records is None:
-            return WriteBucket, (*fields, self.tensor_items, self.checksum_block_bytes)
+            return WriteBucket, (*fields, self.tensor_items, self.checksum_block_bytes, self.digest)
         data = [t for _, t in self.tensor_items]
-        return _rebuild_bucket, (*fields, self.checksum_block_bytes, records, data)
+        return _rebuild_bucket, (*fields, self.checksum_block_bytes, self.digest, records, data)
 
 
 def _rebuild_bucket(
-    path: str, relative: str, byte_items: list[Any], block: int, records: list[Any], data: list[Any]
+    path: str,
+    relative: str,
+    byte_items: list[Any],
+    block: int,
+    digest: bool,
+    records: list[Any],
+    data: list[Any],
 ) -> WriteBucket:
     items = decode_tensor_items(records)
-    return WriteBucket(path, relative, byte_items, list(zip(items, data)), block)
+    return WriteBucket(path, relative, byte_items, list(zip(items, data)), block, digest)
 
 
 # --------------------------------------------------------------------------- staging
@@ -120,8 +115,9 @@ class StageBuckets(StagingStep):
 # --------------------------------------------------------------------------- writing
 
 
-def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -> list[WriteResult]:
-    """Write one bucket's items to its file; return one WriteResult per item.
+def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -> FileResults:
+    """Write one bucket's items to its file; return one WriteResult per item (and the
+    file's sha256, where ``bucket.digest`` asks for it).
 
     Bytes items come first, then tensors. Accelerator tensors still on their device
     (a synchronous save) stream through this process's staging pool
@@ -133,7 +129,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
         # Every item is checksummed (CRC32C blocks) as its bytes go to the file.
         # The file's write-back starts as its bytes go out (for a file that is synced).
         wb = fs.writeback(raw) if sync_files else None
-        stream = ChecksumStream(raw, bucket.checksum_block_bytes, wb)
+        stream = ChecksumStream(raw, bucket.checksum_block_bytes, wb, bucket.digest)
         offset = 0
         compute_crc = torch.serialization.get_crc32_options()  # once per file, not per item
         for item, data in bucket.byte_items:
@@ -157,7 +153,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
             staged.close()
         if sync_files:
             fs.fsync(raw)
-    return results
+    return FileResults(results, stream.file_digest())
 
 
 # Writes one staged bucket file and returns its WriteResults.
@@ -242,7 +238,7 @@ def write_buckets_threaded(
 
     def run(idx: int) -> None:
         try:
-            outcome.results[idx] = write(buckets[idx], fs, sync_files)
+            outcome.add(idx, write(buckets[idx], fs, sync_files))
         except Exception as exc:  # noqa: BLE001 - reported through the outcome
             _record_failure(outcome, idx, buckets[idx], _failure_text(exc), traceback_text(exc))
 
@@ -338,7 +334,7 @@ def _record_message(
     outcome: WriteOutcome, idx: int, bucket: WriteBucket, proc: Any, message: Any
 ) -> None:
     if message is not None and message[0] == "ok":
-        outcome.results[idx] = message[1]
+        outcome.add(idx, message[1])
     elif message is not None:
         _record_failure(outcome, idx, bucket, message[1], message[2])
     else:
@@ -408,7 +404,8 @@ def _write_buckets(
             outcome = write_buckets_threaded(rank, buckets, fs, sync_files, write_bucket)
         elif len(buckets) == 1:
             try:
-                outcome = WriteOutcome(rank, {0: write_bucket(buckets[0], fs, sync_files)})
+                outcome = WriteOutcome(rank)
+                outcome.add(0, write_bucket(buckets[0], fs, sync_files))
             except Exception as exc:  # noqa: BLE001 - reported through the outcome
                 outcome = WriteOutcome(rank)
                 _record_failure(outcome, 0, buckets[0], _failure_text(exc), traceback_text(exc))
@@ -417,67 +414,7 @@ def _write_buckets(
     results_queue.put(outcome)
 
 
-# --------------------------------------------------------------------------- results channel
-
-
-class FileResultsQueue:
-    """A one-shot results channel backed by a private temporary file.
-
-    ``put`` (any process, once) writes the pickled object atomically; ``get`` (the
-    creating process) reads and deletes it. Unlike a ``multiprocessing.Queue`` it
-    never blocks the producer (a process holding unread queue data cannot exit),
-    needs no manager process, and pickles as its path, so it reaches forked and
-    spawned workers alike. :meth:`close` removes the directory.
-    """
-
-    def __init__(self, rank: int) -> None:
-        self.directory = tempfile.mkdtemp(prefix=f"dist_ckpt_results_r{rank}_")
-        self.path = os.path.join(self.directory, "outcome.pkl")
-        # Removed when this (the creating process's) object goes away, also when the
-        # save failed and nobody called close(); copies in workers do not remove it.
-        self._cleanup: weakref.finalize[Any, Any] | None = weakref.finalize(
-            self, shutil.rmtree, self.directory, True
-        )
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"directory": self.directory, "path": self.path}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._cleanup = None
-
-    def put(self, obj: Any) -> None:
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, self.path)
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        """Return the object put, waiting up to ``timeout`` seconds; ``queue.Empty`` if none."""
-        import time
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.001
-        while not os.path.exists(self.path):
-            if not block or (deadline is not None and time.monotonic() >= deadline):
-                raise queue.Empty
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        with open(self.path, "rb") as f:
-            obj = pickle.load(f)  # our own file in a private (0700) directory
-        os.remove(self.path)
-        return obj
-
-    def close(self) -> None:
-        if self._cleanup is not None:
-            self._cleanup()
-        else:
-            shutil.rmtree(self.directory, ignore_errors=True)
-
-
 __all__ = [
-    "FileResultsQueue",
-    "ResultsQueue",
     "StageBuckets",
     "WriteBucket",
     "WriteOutcome",

@@ -1,0 +1,89 @@
+"""The ``raw_bytes`` writer of one data file (``engine/raw/data_files``): whatever the
+items (bytes or tensors, empty, small and batched, or large and written in pieces), each
+lands at its offset with zero bytes between, its CRC32C blocks are those of its bytes,
+and the file's sha256 (computed as the bytes go out, for the integrity manifest) is that
+of the file as written: to a local file (positional writes) and to a stream."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dist_checkpointing.engine.raw import data_files
+from dist_checkpointing.engine.raw.writer import RankWrite
+from dist_checkpointing.engine.storage.checksums import block_crcs
+
+item = st.tuples(st.integers(0, 3000), st.booleans(), st.integers(0, 100))  # size, tensor, gap
+
+
+def _items(spec: list[tuple[int, bool, int]]) -> tuple[list[tuple[int, int, Any]], bytes]:
+    """``(offset, size, data)`` items at 64-byte offsets after the gaps, and the file."""
+    gen = torch.Generator().manual_seed(len(spec))
+    items, expected, pos = [], bytearray(), 0
+    for size, as_tensor, gap in spec:
+        offset = -(-(pos + gap) // 64) * 64
+        t = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+        raw = t.numpy().tobytes()
+        items.append((offset, size, t if as_tensor else raw))
+        expected += bytes(offset - pos) + raw
+        pos = offset + size
+    return items, bytes(expected)
+
+
+def _expected_crcs(items: list[tuple[int, int, Any]], block: int) -> list[int]:
+    out: list[int] = []
+    for _, _, data in items:
+        raw = data.numpy().tobytes() if isinstance(data, torch.Tensor) else data
+        out += block_crcs(raw, block) if block else []
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    spec=st.lists(item, max_size=10),
+    piece=st.sampled_from([512, 1500, 8 << 20]),
+    block=st.sampled_from([0, 256, 4096]),
+    to_file=st.booleans(),
+)
+def test_every_byte_lands_at_its_offset_and_the_file_digest_is_of_the_file(
+    tmp_path_factory: pytest.TempPathFactory,
+    spec: list[tuple[int, bool, int]],
+    piece: int,
+    block: int,
+    to_file: bool,
+) -> None:
+    items, expected = _items(spec)
+    path = tmp_path_factory.mktemp("raw") / "f"
+    stream: Any = open(path, "w+b", buffering=0) if to_file else io.BytesIO()  # noqa: SIM115
+    out = data_files._Out(stream, None, hashlib.sha256())
+    crcs: list[int] = []
+    saved = data_files._PIECE
+    data_files._PIECE = piece  # large items: written in pieces
+    try:
+        data_files._write_items(out, items, block, crcs, None)
+    finally:
+        data_files._PIECE = saved
+        if to_file:
+            stream.close()
+    written = path.read_bytes() if to_file else stream.getvalue()
+    assert written == expected
+    assert out.sha.hexdigest() == hashlib.sha256(written).hexdigest()
+    assert crcs == _expected_crcs(items, block)
+
+
+@pytest.mark.parametrize("digest", [True, False])
+def test_write_rank_reports_each_files_digest_when_asked(tmp_path: Path, digest: bool) -> None:
+    files = [_items([(5000, True, 0), (10, False, 3)]), _items([(0, True, 0), (70, True, 1)])]
+    wr = RankWrite(str(tmp_path), ["a", "b"], [f[0] for f in files], 4096, sync=True, digest=digest)
+    got = data_files.write_rank(wr)
+    for name, (items, expected), written in zip(["a", "b"], files, got):
+        assert (tmp_path / name).read_bytes() == expected
+        assert list(written.crcs) == _expected_crcs(items, 4096)
+        assert written.sha256 == (hashlib.sha256(expected).hexdigest() if digest else None)
