@@ -516,7 +516,8 @@ def _save_failing_on_one_rank(ckpt: Path, where: str) -> str:
     """Over a committed version 1, save version 2 with one step failing on one rank
     only: a common state rank 0 (which writes common.pt) cannot pickle, a value only
     rank 1 cannot pickle (compared, not saved: the save goes on), or a file digest that
-    fails on rank 1 (``verify_integrity``). Every rank must raise or every rank save."""
+    fails on rank 1 (``verify_integrity``, a writer that reports no digest, so the
+    file is read back). Every rank must raise or every rank save."""
     rank = dist.get_rank()
     state = _state(2)
     if where == "common on rank 0" and rank == 0:
@@ -524,10 +525,16 @@ def _save_failing_on_one_rank(ckpt: Path, where: str) -> str:
     if where == "common on rank 1" and rank == 1:
         state["hook"] = lambda: None
     if where == "digest on rank 1" and rank == 1:
+        # Its writers report no digest, so the save reads its data files back: and fails.
+        write = FileSystemWriterAsync.write_preloaded_data
+
+        def without_digest(bucket: Any, fs: Any, sync_files: bool) -> Any:
+            return list(write(bucket, fs, sync_files))
 
         def unreadable(ckpt: Any, name: str) -> str:
             raise OSError(f"cannot read {name}")
 
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(without_digest)  # type: ignore[method-assign]
         integrity.file_digest = unreadable  # type: ignore[assignment]
     try:
         dcp.save(state, ckpt, verify_integrity=where.startswith("digest"))
