@@ -200,8 +200,7 @@ def save(
             applied to the common state before it is compared across ranks.
         async_strategy: Megatron-Core 0.19's choice of async writer: ``"mcore"``
             (or None) selects ours; ``"nvrx"`` is not supported.
-        verify_integrity: record a sha256 of every data file (``integrity.json``),
-            computed by the writers from the bytes they write (no second read).
+        verify_integrity: record a sha256 of every file written (``integrity.json``).
         content_metadata: a dict stored with the common state, read back by
             :func:`load_content_metadata`.
         process_group: the ranks that save this checkpoint together (default: the
