@@ -16,8 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dist_checkpointing import ShardedTensor
 from dist_checkpointing.engine.raw import data_files
-from dist_checkpointing.engine.raw.writer import RankWrite
+from dist_checkpointing.engine.raw.writer import RankWrite, StageRankWrite, plan_rank
 from dist_checkpointing.engine.storage.checksums import block_crcs
 
 item = st.tuples(st.integers(0, 3000), st.booleans(), st.integers(0, 100))  # size, tensor, gap
@@ -87,3 +88,35 @@ def test_write_rank_reports_each_files_digest_when_asked(tmp_path: Path, digest:
         assert (tmp_path / name).read_bytes() == expected
         assert list(written.crcs) == _expected_crcs(items, 4096)
         assert written.sha256 == (hashlib.sha256(expected).hexdigest() if digest else None)
+
+
+@pytest.mark.parametrize(
+    "data", [torch.zeros(1000, dtype=torch.float16), torch.zeros(10), torch.zeros(1001)]
+)
+def test_data_replaced_by_a_smaller_or_other_dtype_tensor_is_refused_by_key(
+    tmp_path: Path, data: torch.Tensor
+) -> None:
+    """The writer writes a tensor's declared bytes straight from its memory: data that
+    no longer matches its ShardedTensor (replaced after construction) must be refused
+    at planning, never read past its end."""
+    sh = ShardedTensor.from_rank_offsets("layer.weight", torch.zeros(1000))
+    sh.data = data
+    with pytest.raises(ValueError, match=r"'layer.weight'.*does not match its dtype"):
+        plan_rank([sh], str(tmp_path), 0, 2, 64, 4096)
+
+
+def test_the_plan_lists_only_the_tensors_to_copy_or_stream(tmp_path: Path) -> None:
+    """Contiguous host tensors are written as they are; the plan names the others (here
+    a transposed view, in the second file) so later steps need not look at every item."""
+    leaves = [
+        ShardedTensor.from_rank_offsets("a", torch.zeros(4, 3)),
+        ShardedTensor.from_rank_offsets("b", torch.zeros(4, 3)),
+        ShardedTensor.from_rank_offsets("c", torch.zeros(3, 4).t()),
+        ShardedTensor.from_rank_offsets("d", torch.zeros(4, 3)),
+    ]
+    wr, _ = plan_rank(leaves, str(tmp_path), 0, 2, 64, 0)
+    assert [len(items) for items in wr.items] == [2, 2]
+    assert wr.special == [(1, 0)]
+    slots = StageRankWrite(wr, deferred=True).host_copies()
+    assert [(s.container is wr.items[1], s.index) for s in slots] == [(True, 0)]
+    assert [s.index for s in StageRankWrite(wr).slots() if s.required] == [0]

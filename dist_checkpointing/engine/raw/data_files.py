@@ -71,15 +71,22 @@ class _Out:
         self.wb = wb
         self.sha = sha
 
-    def put(self, buffers: list[Any], offset: int) -> None:
+    def put(self, buffers: list[Any], offset: int, nbytes: int = 0) -> None:
         """Write ``buffers`` back to back at ``offset`` (a stream: at its position,
-        which the caller keeps at ``offset``)."""
+        which the caller keeps at ``offset``); ``nbytes``: their total, if known (then a
+        batch that one call writes whole needs no view of each buffer)."""
         sha = self.sha
         if sha is not None:
             for b in buffers:
                 sha.update(b)
         if self.fd is not None:
-            _pwritev_all(self.fd, buffers, offset)
+            if (
+                nbytes
+                and len(buffers) <= IOV_MAX
+                and os.pwritev(self.fd, buffers, offset) == nbytes
+            ):
+                return
+            _pwritev_all(self.fd, buffers, offset)  # short: again, whole (positional writes)
         else:
             for b in buffers:
                 self.stream.write(b)
@@ -91,9 +98,14 @@ class _Out:
 
 
 def _write_file(
-    fs: FileSystemIO, path: str, items: list[tuple[int, int, Any]], wr: RankWrite
+    fs: FileSystemIO,
+    path: str,
+    items: list[tuple[int, int, Any]],
+    wr: RankWrite,
+    plain: bool = False,
 ) -> FileWritten:
-    """Write one data file (fsynced when ``wr.sync``)."""
+    """Write one data file (fsynced when ``wr.sync``); ``plain``: its items are known to
+    be bytes or contiguous host tensors (no accelerator tensor to stream)."""
     crcs: list[int] = []
     stream = fs.open_write(path)
     chunks = None
@@ -101,7 +113,7 @@ def _write_file(
         fd = descriptor(stream)
         wb = fs.writeback(stream) if wr.sync and fd is not None else None
         out = _Out(stream, wb, hashlib.sha256() if wr.digest else None)
-        chunks = _device_chunks(items)
+        chunks = None if plain else _device_chunks(items)
         _write_items(out, items, wr.block_bytes, crcs, chunks)
         if wr.sync:
             fs.fsync(stream)
@@ -134,10 +146,10 @@ def _write_items(
         if offset > pos:
             batch.append(bytes(offset - pos))
             batch_bytes += offset - pos
-        on_device = size and isinstance(data, torch.Tensor) and not data.is_cpu
+        on_device = chunks and size and isinstance(data, torch.Tensor) and not data.is_cpu
         if on_device or size > _PIECE:
             if batch:
-                out.put(batch, batch_at)
+                out.put(batch, batch_at, batch_bytes)
                 batch, batch_bytes = [], 0
             if on_device:
                 assert chunks is not None
@@ -157,11 +169,11 @@ def _write_items(
             batch_bytes += size
         pos = offset + size
         if out.fd is None or len(batch) >= IOV_MAX - 1 or batch_bytes >= max_write:
-            out.put(batch, batch_at)
+            out.put(batch, batch_at, batch_bytes)
             batch, batch_bytes = [], 0
             out.advance(pos)
     if batch:
-        out.put(batch, batch_at)
+        out.put(batch, batch_at, batch_bytes)
 
 
 def _host_buffer(data: Any, size: int) -> Any:
@@ -237,11 +249,13 @@ def write_rank(wr: RankWrite) -> list[FileWritten]:
     writing gave back, in file order. Raises whatever writing raised."""
     fs = filesystem_for(wr.root)
     paths = [fs.join(wr.root, name) for name in wr.names]
-    jobs = list(zip(paths, wr.items))
+    special = None if wr.special is None else {f for f, _ in wr.special}
+    plain = [special is not None and f not in special for f in range(len(paths))]
+    jobs = list(zip(paths, wr.items, plain))
     if len(jobs) <= 1:
-        return [_write_file(fs, p, it, wr) for p, it in jobs]
+        return [_write_file(fs, p, it, wr, pl) for p, it, pl in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda job: _write_file(fs, job[0], job[1], wr), jobs))
+        return list(pool.map(lambda job: _write_file(fs, job[0], job[1], wr, job[2]), jobs))
 
 
 __all__ = ["FileWritten", "buffer_of", "write_rank"]

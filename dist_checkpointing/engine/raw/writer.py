@@ -51,6 +51,9 @@ class RankWrite:
     sync: bool = True
     sizes: list[int] = field(default_factory=list)
     digest: bool = False  # also compute each file's sha256 (for the integrity manifest)
+    # (file, position) of the tensor items planned on an accelerator or not contiguous
+    # (the staging step copies them; None: not known, look at every item).
+    special: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,17 @@ class StageRankWrite(StagingStep):
         ]
 
     def host_copies(self) -> list[TensorSlot]:
+        items = self.write.items
+        if self.write.special is None:
+            where = [(f, i) for f, file_items in enumerate(items) for i in range(len(file_items))]
+        else:
+            where = self.write.special
         return [
-            TensorSlot(file_items, i, 2, required=True)
-            for file_items in self.write.items
-            for i, (_, _, data) in enumerate(file_items)
-            if isinstance(data, torch.Tensor) and data.is_cpu and not data.is_contiguous()
+            TensorSlot(items[f], i, 2, required=True)
+            for f, i in where
+            if isinstance(data := items[f][i][2], torch.Tensor)
+            and data.is_cpu
+            and not data.is_contiguous()
         ]
 
 
@@ -93,9 +102,15 @@ class _Leaves:
     dtypes: list[str] = field(default_factory=list)
     ndims: list[int] = field(default_factory=list)
     dims: list[int] = field(default_factory=list)
-    flat: list[tuple[int, int]] = field(default_factory=list)
+    flat: list[int] = field(default_factory=list)  # start, stop of each item's flat range
     lengths: list[int] = field(default_factory=list)
     data: list[Any] = field(default_factory=list)
+    # Items whose data is a tensor the writer cannot take as it is (on an accelerator,
+    # or not contiguous): found once here, so that the later steps scan only these.
+    special: list[int] = field(default_factory=list)
+
+
+_NO_RANGE = (0, 0)
 
 
 def _collect(leaves: list[ShardedBase]) -> _Leaves:
@@ -114,7 +129,7 @@ def _collect(leaves: list[ShardedBase]) -> _Leaves:
             out.kinds.append(KIND_OBJECT)
             out.dtypes.append("uint8")
             out.ndims.append(0)
-            out.flat.append((0, 0))
+            out.flat += _NO_RANGE
             out.lengths.append(len(payload))
             out.data.append(payload)
     return out
@@ -131,13 +146,13 @@ def _add_tensor(out: _Leaves, sh: ShardedTensor) -> None:
     if fr is None:
         count = math.prod(local)
         out.kinds.append(KIND_GRID)
-        out.flat.append((0, 0))
+        out.flat += _NO_RANGE
     else:
         count = fr.stop - fr.start
         if count <= 0:
             return  # an empty flat range holds nothing
         out.kinds.append(KIND_FLAT)
-        out.flat.append((fr.start, fr.stop))
+        out.flat += (fr.start, fr.stop)
     dtype = sh.dtype
     out.keys.append(sh.key)
     name = DTYPE_NAMES.get(dtype)
@@ -155,7 +170,14 @@ def _add_tensor(out: _Leaves, sh: ShardedTensor) -> None:
     if sh.prepend_axis_num:
         dims += (1,) * sh.prepend_axis_num
     dims += local
+    if data.dtype is not dtype or data.numel() != count:  # data replaced after construction
+        raise ValueError(
+            f"ShardedTensor {sh.key!r}: its data ({data.dtype}, shape {tuple(data.shape)}) "
+            f"does not match its dtype {dtype} and {count} elements"
+        )
     out.lengths.append(count * ITEMSIZE[dtype])
+    if not (data.is_cpu and data.is_contiguous()):
+        out.special.append(len(out.data))
     out.data.append(data)
 
 
@@ -209,15 +231,17 @@ def plan_rank(
     e["offset"] = offsets
     e["length"] = lengths
     e["dims_start"] = np.cumsum(3 * ndims) - 3 * ndims
-    flat = np.array(c.flat, dtype=np.int64).reshape(n, 2)
+    flat = np.array(c.flat, dtype=np.int64).reshape(n, 2)  # from plain ints: fast
     e["flat_start"], e["flat_stop"] = flat[:, 0], flat[:, 1]
     e["crc_start"] = np.cumsum(crc_counts) - crc_counts
     names = [data_file_name(rank, f, save_tag) for f in range(files)] if n else []
     items: list[list[tuple[int, int, Any]]] = [[] for _ in names]
-    for f, off, length, data in zip(file_of.tolist(), offsets.tolist(), c.lengths, c.data):
+    files_of = file_of.tolist()
+    for f, off, length, data in zip(files_of, offsets.tolist(), c.lengths, c.data):
         items[f].append((off, length, data))
     sizes = [f_items[-1][0] + f_items[-1][1] for f_items in items]
-    write = RankWrite(root, names, items, block_bytes, sizes=sizes)
+    special = [(files_of[i], i - int(firsts[files_of[i]])) for i in c.special]
+    write = RankWrite(root, names, items, block_bytes, sizes=sizes, special=special)
     piece = IndexPiece(
         files=names,
         file_sizes=sizes,
