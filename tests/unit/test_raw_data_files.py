@@ -52,6 +52,7 @@ def _expected_crcs(items: list[tuple[int, int, Any]], block: int) -> list[int]:
     piece=st.sampled_from([512, 1500, 8 << 20]),
     block=st.sampled_from([0, 256, 4096]),
     to_file=st.booleans(),
+    plain=st.booleans(),
 )
 def test_every_byte_lands_at_its_offset_and_the_file_digest_is_of_the_file(
     tmp_path_factory: pytest.TempPathFactory,
@@ -59,6 +60,7 @@ def test_every_byte_lands_at_its_offset_and_the_file_digest_is_of_the_file(
     piece: int,
     block: int,
     to_file: bool,
+    plain: bool,
 ) -> None:
     items, expected = _items(spec)
     path = tmp_path_factory.mktemp("raw") / "f"
@@ -68,7 +70,7 @@ def test_every_byte_lands_at_its_offset_and_the_file_digest_is_of_the_file(
     saved = data_files._PIECE
     data_files._PIECE = piece  # large items: written in pieces
     try:
-        data_files._write_items(out, items, block, crcs, None)
+        data_files._write_items(out, items, block, crcs, None, plain)
     finally:
         data_files._PIECE = saved
         if to_file:

@@ -114,7 +114,7 @@ def _write_file(
         wb = fs.writeback(stream) if wr.sync and fd is not None else None
         out = _Out(stream, wb, hashlib.sha256() if wr.digest else None)
         chunks = None if plain else _device_chunks(items)
-        _write_items(out, items, wr.block_bytes, crcs, chunks)
+        _write_items(out, items, wr.block_bytes, crcs, chunks, plain)
         if wr.sync:
             fs.fsync(stream)
     finally:
@@ -131,10 +131,13 @@ def _write_items(
     block: int,
     crcs: list[int],
     chunks: Generator[Chunk, None, None] | None,
+    plain: bool = False,
 ) -> None:
     """The items of one file, in order, the gaps before them zero: small host items in
     batches, large or accelerator ones piece by piece (each piece checksummed just
-    before it goes out)."""
+    before it goes out). ``plain``: the plan found every tensor item contiguous on the
+    host (its buffer is then made without asking again)."""
+    c_char = ctypes.c_char
     # A batch of small items goes out by the time write-back is due.
     max_write = _MAX_WRITE if out.wb is None else min(_MAX_WRITE, out.wb.every)
     pos = 0
@@ -158,7 +161,10 @@ def _write_items(
                 _write_large(out, _host_buffer(data, size), offset, block, crcs)
             pos = offset + size
             continue
-        buf = _host_buffer(data, size)
+        if plain and size and type(data) is not bytes:
+            buf = (c_char * size).from_address(data.data_ptr())
+        else:
+            buf = _host_buffer(data, size)
         if block:  # checksummed as the bytes go out (one call for a small item)
             if size <= block:
                 crcs.append(crc(buf))
