@@ -190,10 +190,12 @@ def raw_blob(tensors: list[torch.Tensor]) -> Any:
     return blob
 
 
-# The baseline writes each file in one sequential pass of 8 MiB writes: on the VMs we
-# measured, a single write() of hundreds of MiB is up to 4x slower than the same bytes
-# in pieces, which would flatter every method compared with it.
-RAW_WRITE_PIECE = 8 << 20
+# The baseline writes each file in one sequential pass of 1 MiB writes, the size our
+# writers use (the WRITE_CALL_BYTES knob): on the development VM, writes of 2 MiB or more
+# from one buffer cost 2-5x the kernel time, erratically (1 GiB in two files with 8 MiB
+# writes: 0.54-1.43 s; with 1 MiB writes: 0.54-0.55 s), which would flatter every method
+# compared with it.
+RAW_WRITE_PIECE = 1 << 20
 
 
 def _per_file(view: memoryview, files: int) -> list[memoryview]:

@@ -8,8 +8,8 @@ Cases (each sharded over all ranks on axis 0, as in ``save_load.py``):
 - ``big``: ``--size-mib`` MiB in total, 16 float32 tensors.
 
 For each case it prints the best of ``--repeat`` runs (slowest rank, barrier to
-barrier) of: ``raw`` (this rank's bytes in as many files, one large write +
-fsync each, read back), ``torch_dist`` and ``raw_bytes`` (``dist_checkpointing``
+barrier) of: ``raw`` (this rank's bytes in as many files, one pass of 1 MiB
+writes + fsync each, read back), ``torch_dist`` and ``raw_bytes`` (``dist_checkpointing``
 save and load, checksums written and verified) and ``raw_bytes_nv`` (the same with
 ``validate_access_integrity=False``: without the sharding check, which every layout
 shares), with microseconds per tensor per rank and GB/s. Loads read from the page cache right after the saves.

@@ -9,7 +9,7 @@ Two cases, each sharded over all ranks (tensor-parallel style, axis 0):
 For each case and method it prints the time of the slowest rank (barrier to
 barrier), the throughput, and the peak RSS of the largest rank (with its child
 processes). Methods: ``raw`` (this rank's bytes in as many files as we write,
-one large write + fsync each, read back into a preallocated buffer), ``dcp``
+one pass of 1 MiB writes + fsync each, read back into a preallocated buffer), ``dcp``
 (plain DCP with DTensors of the same layout), ``ours`` (dist_checkpointing).
 Loads read from the page cache right after the saves, for every method alike; with
 ``--cold`` each checkpoint's files are dropped from the page cache first, so loads
@@ -52,7 +52,7 @@ from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 THREAD_COUNT = 2  # files per rank, for us and for the raw baseline
 
 
-# raw: one large write + fsync per file; dcp: plain torch.distributed.checkpoint;
+# raw: one pass of 1 MiB writes + fsync per file; dcp: plain torch.distributed.checkpoint;
 # ours: default settings (checksums written and verified); nocrc: ours without them.
 METHODS = ("raw", "dcp", "ours", "nocrc")
 

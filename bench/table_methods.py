@@ -17,7 +17,7 @@ the same order. ``unavailable()`` says why a method cannot run here (the row the
   it saves and loads, ``bench/mcore_compat.py`` gives its two CUDA calls CPU stand-ins on
   a machine without CUDA, and ``numpy.product`` under NumPy 2; nothing else is changed;
 - ``raw``: the baseline: this rank's bytes in as many files as ``ours`` writes per
-  rank, one large write + fsync each, read back into a preallocated buffer.
+  rank, one sequential pass of 1 MiB writes + fsync each, read back into a preallocated buffer.
 """
 
 from __future__ import annotations

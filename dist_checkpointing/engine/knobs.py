@@ -14,6 +14,10 @@ WRITE_BUFFER_BYTES             262144     buffer of data files opened for writin
 WRITEBACK_BYTES                16777216   a synced local data file asks the kernel to start
                                           writing its bytes to disk after each this many
                                           (the final fsync then waits for less; 0: off)
+WRITE_CALL_BYTES               1048576    most bytes one write system call of a data file
+                                          carries: larger writes are split (on the
+                                          development VM, a write of 2 MiB or more from one
+                                          buffer cost 2-5x the kernel time, erratically)
 RESULTS_TIMEOUT_S              10.0       wait for a finished writer's results at finalize
 READ_WINDOW_BYTES              16777216   largest read that serves several small items
 READ_SMALL_ITEM_BYTES          262144     items below this are read through a window
@@ -124,6 +128,12 @@ class Knob(Generic[N]):
 SAVE_THREAD_COUNT = Knob("SAVE_THREAD_COUNT", 2, 1, "data files per rank per save")
 WRITE_BUFFER_BYTES = Knob(
     "WRITE_BUFFER_BYTES", 256 << 10, 0, "buffer of data files opened for writing"
+)
+WRITE_CALL_BYTES = Knob(
+    "WRITE_CALL_BYTES",
+    1 << 20,
+    4096,
+    "most bytes one write system call of a data file carries (larger writes are split)",
 )
 WRITEBACK_BYTES = Knob(
     "WRITEBACK_BYTES",
@@ -265,6 +275,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
     WRITE_BUFFER_BYTES,
     WRITEBACK_BYTES,
+    WRITE_CALL_BYTES,
     RESULTS_TIMEOUT_S,
     READ_WINDOW_BYTES,
     READ_SMALL_ITEM_BYTES,
@@ -308,6 +319,7 @@ __all__ = [
     "SAVE_THREAD_COUNT",
     "WRITE_BUFFER_BYTES",
     "WRITEBACK_BYTES",
+    "WRITE_CALL_BYTES",
     "RESULTS_TIMEOUT_S",
     "READ_WINDOW_BYTES",
     "READ_SMALL_ITEM_BYTES",

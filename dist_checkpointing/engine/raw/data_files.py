@@ -34,9 +34,6 @@ from ..storage.tensor_bytes import byte_view
 from ..storage.writeback import Writeback
 from .writer import RankWrite
 
-_MAX_WRITE = 1 << 30  # bytes per pwritev call (Linux writes at most ~2 GiB per call)
-_PIECE = 8 << 20  # large items are checksummed and written in pieces of this size
-
 
 @dataclass
 class FileWritten:
@@ -61,15 +58,17 @@ def buffer_of(data: Any) -> Any:
 class _Out:
     """One data file being written: positional writes to a descriptor, or a stream's
     writes (object storage); the write-back started as it grows; and its sha256 when
-    asked for. Every byte of the file goes through :meth:`put`, in file order."""
+    asked for. Every byte of the file goes through :meth:`put`, in file order, at most
+    about ``piece`` bytes per call (the ``WRITE_CALL_BYTES`` knob)."""
 
-    __slots__ = ("fd", "sha", "stream", "wb")
+    __slots__ = ("fd", "piece", "sha", "stream", "wb")
 
-    def __init__(self, stream: Any, wb: Writeback | None, sha: Any) -> None:
+    def __init__(self, stream: Any, wb: Writeback | None, sha: Any, piece: int = 0) -> None:
         self.stream = stream
         self.fd = descriptor(stream)
         self.wb = wb
         self.sha = sha
+        self.piece = piece or knobs.WRITE_CALL_BYTES.get()
 
     def put(self, buffers: list[Any], offset: int, nbytes: int = 0) -> None:
         """Write ``buffers`` back to back at ``offset`` (a stream: at its position,
@@ -134,12 +133,13 @@ def _write_items(
     plain: bool = False,
 ) -> None:
     """The items of one file, in order, the gaps before them zero: small host items in
-    batches, large or accelerator ones piece by piece (each piece checksummed just
-    before it goes out). ``plain``: the plan found every tensor item contiguous on the
-    host (its buffer is then made without asking again)."""
+    batches of at most ``out.piece`` bytes, larger or accelerator ones piece by piece
+    (each piece checksummed just before it goes out). ``plain``: the plan found every
+    tensor item contiguous on the host (its buffer is then made without asking again)."""
     c_char = ctypes.c_char
-    # A batch of small items goes out by the time write-back is due.
-    max_write = _MAX_WRITE if out.wb is None else min(_MAX_WRITE, out.wb.every)
+    piece = out.piece
+    # A batch goes out by the time write-back is due, too.
+    limit = piece if out.wb is None else min(piece, out.wb.every)
     pos = 0
     batch: list[Any] = []
     batch_at = batch_bytes = 0
@@ -150,7 +150,7 @@ def _write_items(
             batch.append(bytes(offset - pos))
             batch_bytes += offset - pos
         on_device = chunks and size and isinstance(data, torch.Tensor) and not data.is_cpu
-        if on_device or size > _PIECE:
+        if on_device or size > piece:
             if batch:
                 out.put(batch, batch_at, batch_bytes)
                 batch, batch_bytes = [], 0
@@ -170,11 +170,15 @@ def _write_items(
                 crcs.append(crc(buf))
             else:
                 crcs += block_crcs(buf, block)
+        if batch and batch_bytes + size > limit:  # one write carries at most ``piece``
+            out.put(batch, batch_at, batch_bytes)
+            batch, batch_bytes, batch_at = [], 0, offset
+            out.advance(offset)
         if size:
             batch.append(buf)
             batch_bytes += size
         pos = offset + size
-        if out.fd is None or len(batch) >= IOV_MAX - 1 or batch_bytes >= max_write:
+        if out.fd is None or len(batch) >= IOV_MAX - 1:
             out.put(batch, batch_at, batch_bytes)
             batch, batch_bytes = [], 0
             out.advance(pos)
@@ -218,10 +222,13 @@ def _write_streamed(
     checksumming each chunk as it goes out."""
     hasher = BlockHasher(block) if block else None
     for chunk in chunks:
-        if hasher is not None:
-            hasher.feed(chunk.view, len(chunk.view))
-        out.put([chunk.view], offset + chunk.offset)
-        out.advance(offset + chunk.offset + len(chunk.view))
+        view, at = chunk.view, offset + chunk.offset
+        for start in range(0, len(view), out.piece):  # a staging buffer: in pieces
+            part = view[start : start + out.piece]
+            if hasher is not None:
+                hasher.feed(part, len(part))
+            out.put([part], at + start, len(part))
+            out.advance(at + start + len(part))
         if chunk.last:
             break
     if hasher is not None:
@@ -229,15 +236,16 @@ def _write_streamed(
 
 
 def _write_large(out: _Out, buf: Any, offset: int, block: int, crcs: list[int]) -> None:
-    """One large item in pieces of about ``_PIECE`` bytes (whole checksum blocks), each
-    checksummed just before it is written, while its bytes are still in the CPU cache."""
+    """One large item in pieces of about ``out.piece`` bytes (whole checksum blocks),
+    each checksummed just before it is written, while its bytes are still in the CPU
+    cache."""
     view = memoryview(buf).cast("B")
-    piece = max(block, _PIECE // block * block) if block else _PIECE
+    piece = max(block, out.piece // block * block) if block else out.piece
     for start in range(0, len(view), piece):
         part = view[start : start + piece]
         if block:
             crcs += block_crcs(part, block)
-        out.put([part], offset + start)
+        out.put([part], offset + start, len(part))
         out.advance(offset + start + len(part))
 
 

@@ -162,6 +162,7 @@ class ChecksumStream:
     ``writeback``, the file's write-back to disk is started as its bytes go out (see
     :mod:`.writeback`); with ``digest``, the sha256 of the whole file is computed from
     the same bytes (:meth:`file_digest`: the integrity manifest's, without a second read).
+    A write larger than the ``WRITE_CALL_BYTES`` knob goes to the file in pieces.
     """
 
     def __init__(
@@ -178,6 +179,7 @@ class ChecksumStream:
         self._position = 0
         self._item_start = 0
         self._file_hash = hashlib.sha256() if digest else None  # of every byte written
+        self._piece = knobs.WRITE_CALL_BYTES.get()
 
     def file_digest(self) -> str | None:
         """The sha256 (hex) of everything written so far; None unless ``digest``."""
@@ -194,8 +196,18 @@ class ChecksumStream:
         return ItemChecksum(self._item_start, self._position - self._item_start, hasher.finish())
 
     def write(self, data: Any) -> int:
-        n = self._stream.write(data)
         size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size <= self._piece:
+            self._out(data, size)
+            return size
+        view = memoryview(data).cast("B")  # one write call carries at most WRITE_CALL_BYTES
+        for start in range(0, size, self._piece):
+            part = view[start : start + self._piece]
+            self._out(part, len(part))
+        return size
+
+    def _out(self, data: Any, size: int) -> None:
+        n = self._stream.write(data)
         if n is not None and n != size:  # buffered writers write all or raise
             raise OSError(f"short write: {n} of {size} bytes")
         if self._hasher is not None:
@@ -205,7 +217,6 @@ class ChecksumStream:
         self._position += size
         if self._writeback is not None:
             self._writeback.advance(self._position)
-        return size
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
