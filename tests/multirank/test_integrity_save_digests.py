@@ -154,3 +154,32 @@ def test_a_writer_without_digests_has_its_files_read_back(tmp_path: Path) -> Non
     data = {n for n in files if n.endswith(".distcp")}
     assert len(data) >= 2
     assert data <= set(seen[0]) | set(seen[1])  # read back, each by the rank that wrote it
+
+
+def _rank_saves_fully_parallel(ckpt: str) -> dict[str, Any]:
+    """Every rank holds every tensor whole; the fully parallel wrapper spreads the writing."""
+    from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    seen = _recording()
+    rank = dist.get_rank()
+    state = {
+        k: ShardedTensor.from_rank_offsets(k, v.clone(), replica_id=rank)
+        for k, v in _full().items()
+    }
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy())
+    dc.save(state, ckpt, strategy, verify_integrity=True)
+    read_at_save = list(seen)
+    data_files = {n for r in range(2) for n in strategy.files_written_by(ckpt, r)}
+    return {"read_at_save": read_at_save, "data_files": data_files}
+
+
+def test_the_fully_parallel_wrapper_takes_the_writers_digests_too(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    out = run_distributed(_rank_saves_fully_parallel, 2, str(ckpt))
+    files = _check_manifest(ckpt)
+    data_files = out[0]["data_files"]
+    assert len(data_files) >= 2 and data_files <= set(files)
+    for rank in range(2):
+        assert not set(out[rank]["read_at_save"]) & data_files, out[rank]["read_at_save"]

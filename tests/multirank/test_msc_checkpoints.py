@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedObject, ShardedTensor
+from dist_checkpointing.engine.checkpoint import integrity
 from dist_checkpointing.engine.storage.location import CheckpointDir
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from tests.support.harness import run_distributed
@@ -101,10 +102,14 @@ def test_roundtrip_byte_exact(msc_store: MscStore, profile: str) -> None:
     assert results[0]["verify"] == results[1]["verify"]
 
 
-def test_load_verify_integrity(msc_store: MscStore, profile: str) -> None:
-    url = msc_store.url(profile)
+@pytest.mark.parametrize("layout", [("torch_dist", 1), ("raw_bytes", 1)], ids=lambda x: x[0])
+def test_load_verify_integrity(msc_store: MscStore, profile: str, layout: tuple[str, int]) -> None:
+    url = msc_store.url(profile, layout[0])
     state = {"a": ShardedTensor.from_rank_offsets("a", _ref("a"))}
-    dcp.save(state, url, verify_integrity=True)
+    dcp.save(state, url, layout, verify_integrity=True)
+    ckpt = CheckpointDir.of(url)  # the writers' digests are those of the stored objects
+    manifest = integrity.read_manifest(ckpt)
+    assert manifest and all(integrity.file_digest(ckpt, n) == d for n, d in manifest.items())
     out = dcp.load(
         {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(6, 4))}, url, verify_integrity=True
     )
