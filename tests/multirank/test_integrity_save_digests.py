@@ -28,11 +28,11 @@ import torch.distributed as dist
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.engine.async_save import AsyncCallsQueue
-from dist_checkpointing.engine.checkpoint import commit, integrity
+from dist_checkpointing.engine.checkpoint import commit
 from dist_checkpointing.engine.checkpoint.integrity import INTEGRITY_FNAME
 from dist_checkpointing.engine.checkpoint.record import COMMIT_RECORD
-from dist_checkpointing.engine.storage.location import CheckpointDir
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from tests.support.digests import recording_digests
 from tests.support.harness import run_distributed
 from tests.support.layouts import same_bits
 
@@ -64,19 +64,6 @@ def _state(rank: int, world: int, zeros: bool = False) -> dict[str, Any]:
     return sd
 
 
-def _recording() -> list[str]:
-    """Wrap ``integrity.file_digest`` in this process: the names it reads, in order."""
-    seen: list[str] = []
-    digest = integrity.file_digest
-
-    def recorded(ckpt: CheckpointDir, name: str) -> str:
-        seen.append(name)
-        return digest(ckpt, name)
-
-    integrity.file_digest = recorded  # type: ignore[assignment]
-    return seen
-
-
 def _save(ckpt: str, layout: tuple[str, int], mode: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     sd = _state(rank, world)
@@ -91,7 +78,7 @@ def _save(ckpt: str, layout: tuple[str, int], mode: str) -> None:
 
 
 def _rank_saves(ckpt: str, layout: tuple[str, int], mode: str) -> dict[str, Any]:
-    seen = _recording()
+    seen = recording_digests()
     _save(ckpt, layout, mode)
     read_at_save = list(seen)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -141,7 +128,7 @@ def _plain_list(bucket: Any, fs: Any, sync_files: bool) -> Any:
 
 def _rank_saves_without_writer_digests(ckpt: str) -> list[str]:
     FileSystemWriterAsync.write_preloaded_data = staticmethod(_plain_list)  # type: ignore[method-assign]
-    seen = _recording()
+    seen = recording_digests()
     dc.save(_state(dist.get_rank(), dist.get_world_size()), ckpt, verify_integrity=True)
     return seen
 
@@ -161,7 +148,7 @@ def _rank_saves_fully_parallel(ckpt: str) -> dict[str, Any]:
     from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    seen = _recording()
+    seen = recording_digests()
     rank = dist.get_rank()
     state = {
         k: ShardedTensor.from_rank_offsets(k, v.clone(), replica_id=rank)

@@ -28,6 +28,7 @@ from dist_checkpointing.engine.collectives import RankGroup
 from dist_checkpointing.engine.storage.location import CheckpointDir
 from dist_checkpointing.errors import CheckpointingException
 from dist_checkpointing.serialization import verify_checkpoint_and_load_strategy
+from tests.support.digests import recording_digests
 from tests.support.harness import run_distributed
 from tests.support.layouts import same_bits
 
@@ -59,19 +60,6 @@ def _whole() -> dict[str, ShardedTensor]:
     }
 
 
-def _recording() -> list[str]:
-    """Wrap ``integrity.file_digest`` in this process: the names it digests, in order."""
-    seen: list[str] = []
-    digest = integrity.file_digest
-
-    def recorded(ckpt: CheckpointDir, name: str) -> str:
-        seen.append(name)
-        return digest(ckpt, name)
-
-    integrity.file_digest = recorded  # type: ignore[assignment]
-    return seen
-
-
 def _data_files(ckpt: str) -> set[str]:
     sharded, _ = verify_checkpoint_and_load_strategy(ckpt)
     return set(sharded.files_holding(ckpt, set(KEYS)))
@@ -79,7 +67,7 @@ def _data_files(ckpt: str) -> set[str]:
 
 def _load_whole(ckpt: str, layout: tuple[str, int]) -> dict[str, Any]:
     _save(ckpt, layout)
-    seen = _recording()
+    seen = recording_digests()
     out = dcp.load(_whole(), ckpt, validate_access_integrity=False, verify_integrity=True)
     assert isinstance(out, dict)
     data = _data_files(ckpt)
@@ -151,7 +139,7 @@ def _one_rank_cannot_name_files(ckpt: str) -> str:
             raise OSError("cannot list the files of rank 2's keys")
         return sorted(_data_files(ckpt))
 
-    seen = _recording()
+    seen = recording_digests()
     try:
         integrity.verify_files_read(CheckpointDir.of(ckpt), files_read, group)
     except Exception as exc:  # noqa: BLE001 - compared below
