@@ -209,7 +209,14 @@ class MCoreSavePlanner(DefaultSavePlanner):
         index = index_at(key, shared.offsets)
         # A new view per item costs microseconds: reshape only when the shape differs.
         sizes = shared.sizes
-        self._data[index] = data if data.shape == sizes else data.reshape(sizes)
+        if data.shape != sizes:
+            if data.numel() != sizes.numel():  # data replaced after construction
+                raise ShapeMismatchError(
+                    f"ShardedTensor '{key}': its data has shape {tuple(data.shape)}, not the "
+                    f"{sizes.numel()} elements of its chunk {tuple(sizes)}"
+                )
+            data = data.reshape(sizes)
+        self._data[index] = data
         return WriteItem(
             index=index,
             type=WriteItemType.SHARD,
