@@ -71,8 +71,7 @@ _UNSTORABLE_DTYPES = frozenset(
 
 def _check_storable(sh: ShardedTensor) -> None:
     data = sh.data
-    # sh.dtype is data's dtype (checked on construction), and a plain attribute.
-    if data is not None and (data.layout is not torch.strided or sh.dtype in _UNSTORABLE_DTYPES):
+    if data is not None and (data.layout is not torch.strided or data.dtype in _UNSTORABLE_DTYPES):
         what = data.dtype if data.layout is torch.strided else data.layout
         raise UnsupportedFeatureError(
             f"ShardedTensor {sh.key!r}: tensors of {what} cannot be saved (only dense "

@@ -343,9 +343,8 @@ class FileSystemWriterAsync(StorageWriter):
             save_tag=self.location.context.save_tag,
             checksum_block_bytes=self.location.context.block_bytes,
             layout=self.bucket_layout,
+            digest=self.location.context.digest_data_files,  # the manifest's sha256
         )
-        for bucket in self._buckets:  # the integrity manifest's sha256, as bytes go out
-            bucket.digest = self.location.context.digest_data_files
         self._write_results = self._table = None
         logger.debug(
             "rank %d: %d items in %d buckets",

@@ -86,13 +86,14 @@ def _session(ckpt: CheckpointDir) -> SaveSession | None:
     return session if isinstance(session, SaveSession) else None
 
 
-def _attach(ckpt: CheckpointDir, session: SaveSession) -> None:
+def _attach(ckpt: CheckpointDir, session: SaveSession, digest_data_files: bool) -> None:
     ctx = ckpt.context
     ctx.stage = session.staged_name
     ctx.save_tag = session.data_tag
     ctx.block_bytes = session.block_bytes if knobs.WRITE_CHECKSUMS.get() else 0
     ctx.attachments["session"] = session
     ctx.attachments["save_id"] = session.save_id
+    ctx.digest_data_files = digest_data_files
     ctx.file_digests = {}
 
     def on_write(name: str, data: bytes) -> None:
@@ -160,8 +161,7 @@ def begin(
     if session is None:
         save_id, data_tag = value.split(":")
         session = SaveSession(save_id, block_size(), owns_file=owns_file, data_tag=data_tag)
-    _attach(ckpt, session)
-    ckpt.context.digest_data_files = digest_data_files
+    _attach(ckpt, session, digest_data_files)
     return session
 
 

@@ -26,7 +26,7 @@ import torch
 
 from .. import knobs
 from ..storage.base import FileSystemIO
-from ..storage.checksums import BlockHasher, block_crcs, crc_of
+from ..storage.checksums import BlockHasher, block_crcs, crc
 from ..storage.positional import IOV_MAX, descriptor, vectored_all
 from ..storage.resolve import filesystem_for
 from ..storage.staging_pool import Chunk, CopyAhead, shared_pool
@@ -167,7 +167,7 @@ def _write_items(
             buf = _host_buffer(data, size)
         if block:  # checksummed as the bytes go out (one call for a small item)
             if size <= block:
-                crcs.append(crc_of(buf))
+                crcs.append(crc(buf))
             else:
                 crcs += block_crcs(buf, block)
         if batch and batch_bytes + size > limit:  # one write carries at most ``piece``

@@ -147,11 +147,13 @@ def build_buckets(
     save_tag: str = "",
     checksum_block_bytes: int = 0,
     layout: BucketLayout | None = None,
+    digest: bool = False,
 ) -> tuple[list[WriteBucket], BucketLayout]:
     """The rank's buckets: items grouped by :func:`plan_buckets` (or as ``layout``
     groups them, where it :meth:`~BucketLayout.fits`), each item's data resolved
     (``resolve``, the planner's ``resolve_data``), files named from ``prefix``; and
-    the grouping, for the next save of the same plan.
+    the grouping, for the next save of the same plan. ``digest``: the buckets' writers
+    also compute each file's sha256 (for the integrity manifest).
 
     CPU tensors are kept as they are (views of larger storages are copied);
     accelerator tensors are staged later (by the request's staging step,
@@ -165,7 +167,9 @@ def build_buckets(
         hinted = separation_hint is not None and group[0].index.fqn.startswith(separation_hint)
         hint = separation_hint if hinted and separation_hint else ""
         name = data_file_name(prefix, n, hint, save_tag)
-        bucket = WriteBucket(path_of(name), name, checksum_block_bytes=checksum_block_bytes)
+        bucket = WriteBucket(
+            path_of(name), name, checksum_block_bytes=checksum_block_bytes, digest=digest
+        )
         for item in group:
             data = resolve(item)
             if item.type == WriteItemType.BYTE_IO:

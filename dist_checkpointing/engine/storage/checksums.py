@@ -47,14 +47,9 @@ except ImportError:
     from zlib import crc32 as zip_crc32
 
 
-def crc(data: Any, value: int = 0) -> int:
-    """CRC32C of ``data`` (bytes-like), continuing from ``value``."""
-    return int(_crc32c.crc32c(data, value))
-
-
-#: The CRC32C of one buffer: the C function itself (no Python frame per call), for
-#: loops over many small items.
-crc_of: Callable[[Any], int] = _crc32c.crc32c
+#: ``crc(data, value=0)``: the CRC32C of ``data`` (bytes-like), continuing from ``value``:
+#: the C function itself, no Python frame per call (loops call it per small item).
+crc: Callable[..., int] = _crc32c.crc32c
 
 
 def crc_each(buffers: Iterable[Any]) -> list[int]:
