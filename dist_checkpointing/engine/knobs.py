@@ -10,7 +10,9 @@ naming the variable.
 Knob (env ``DIST_CKPT_...``)   Default    What it controls
 ============================== ========== ===================================================
 SAVE_THREAD_COUNT              2          data files (and writer workers) per rank per save
-WRITE_BUFFER_BYTES             262144     buffer of data files opened for writing
+WRITE_BUFFER_BYTES             262144     buffer of local files opened for writing (data
+                                          files of both layouts bypass it: their writes are
+                                          gathered into positional calls)
 WRITEBACK_BYTES                16777216   a synced local data file asks the kernel to start
                                           writing its bytes to disk after each this many
                                           (the final fsync then waits for less; 0: off)
@@ -127,7 +129,7 @@ class Knob(Generic[N]):
 
 SAVE_THREAD_COUNT = Knob("SAVE_THREAD_COUNT", 2, 1, "data files per rank per save")
 WRITE_BUFFER_BYTES = Knob(
-    "WRITE_BUFFER_BYTES", 256 << 10, 0, "buffer of data files opened for writing"
+    "WRITE_BUFFER_BYTES", 256 << 10, 0, "buffer of local files opened for writing"
 )
 WRITE_CALL_BYTES = Knob(
     "WRITE_CALL_BYTES",

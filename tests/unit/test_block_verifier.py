@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from dist_checkpointing.engine.storage.checksums import (
     BlockVerifier,
     ChecksumMismatch,
-    ChecksumStream,
     block_crcs,
 )
 from dist_checkpointing.engine.storage.item_checksums import ItemChecksum
+from dist_checkpointing.engine.storage.item_stream import ChecksumStream
 from dist_checkpointing.engine.storage.staging_pool import StagingPool, fill_from_host
 
 

@@ -2,7 +2,7 @@
 
 Every data item (one tensor chunk or one bytes object in a ``.distcp`` file) is
 checksummed in blocks of ``CHECKSUM_BLOCK_BYTES`` (a knob, default 1 MiB) counted
-from the item's first byte, as its bytes go to the file: :class:`ChecksumStream`
+from the item's first byte, as its bytes go to the file: :class:`.item_stream.ChecksumStream`
 wraps the open file, so there is no second read pass. Whole small files
 (``.metadata``, ``common.pt``, ``metadata.json``) are checksummed the same way,
 counted from the file's first byte.
@@ -19,20 +19,18 @@ block is read, so that a spare core hides the checksum.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 import crc32c as _crc32c
 
 from .. import knobs
 from ..process import cores_per_rank, spare_core
 from .item_checksums import ItemChecksum
-from .writeback import Writeback
 
 ALGORITHM = "crc32c"
 
@@ -152,74 +150,6 @@ class BlockHasher:
         if self.filled or not self.blocks:
             self.blocks.append(self.crc)
         return self.blocks
-
-
-class ChecksumStream:
-    """A write stream that checksums every item written through it.
-
-    Call :meth:`begin_item` before an item's bytes and :meth:`end_item` after them;
-    everything else (``tell``, ``flush``, ``fileno``...) goes to the wrapped stream. With
-    ``writeback``, the file's write-back to disk is started as its bytes go out (see
-    :mod:`.writeback`); with ``digest``, the sha256 of the whole file is computed from
-    the same bytes (:meth:`file_digest`: the integrity manifest's, without a second read).
-    A write larger than the ``WRITE_CALL_BYTES`` knob goes to the file in pieces.
-    """
-
-    def __init__(
-        self,
-        stream: BinaryIO,
-        block_bytes: int,
-        writeback: Writeback | None = None,
-        digest: bool = False,
-    ) -> None:
-        self._stream = stream
-        self._block_bytes = block_bytes  # <= 0: pass bytes through, record nothing
-        self._writeback = writeback  # told how far the file was written, if given
-        self._hasher: BlockHasher | None = None
-        self._position = 0
-        self._item_start = 0
-        self._file_hash = hashlib.sha256() if digest else None  # of every byte written
-        self._piece = knobs.WRITE_CALL_BYTES.get()
-
-    def file_digest(self) -> str | None:
-        """The sha256 (hex) of everything written so far; None unless ``digest``."""
-        return None if self._file_hash is None else self._file_hash.hexdigest()
-
-    def begin_item(self) -> None:
-        self._hasher = BlockHasher(self._block_bytes) if self._block_bytes > 0 else None
-        self._item_start = self._position
-
-    def end_item(self) -> ItemChecksum | None:
-        hasher, self._hasher = self._hasher, None
-        if hasher is None:
-            return None
-        return ItemChecksum(self._item_start, self._position - self._item_start, hasher.finish())
-
-    def write(self, data: Any) -> int:
-        size = data.nbytes if isinstance(data, memoryview) else len(data)
-        if size <= self._piece:
-            self._out(data, size)
-            return size
-        view = memoryview(data).cast("B")  # one write call carries at most WRITE_CALL_BYTES
-        for start in range(0, size, self._piece):
-            part = view[start : start + self._piece]
-            self._out(part, len(part))
-        return size
-
-    def _out(self, data: Any, size: int) -> None:
-        n = self._stream.write(data)
-        if n is not None and n != size:  # buffered writers write all or raise
-            raise OSError(f"short write: {n} of {size} bytes")
-        if self._hasher is not None:
-            self._hasher.feed(data, size)
-        if self._file_hash is not None:
-            self._file_hash.update(data)
-        self._position += size
-        if self._writeback is not None:
-            self._writeback.advance(self._position)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
 
 
 class ChecksumMismatch(Exception):
@@ -358,7 +288,6 @@ __all__ = [
     "BlockHasher",
     "BlockVerifier",
     "ChecksumMismatch",
-    "ChecksumStream",
     "FileEntry",
     "block_crcs",
     "block_size",

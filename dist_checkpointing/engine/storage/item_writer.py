@@ -75,9 +75,16 @@ def write_tensor(stream: BinaryIO, tensor: torch.Tensor, compute_crc: bool | Non
         start = stream.tell()
         torch.save(tensor, stream)
         return stream.tell() - start
-    data = _byte_view(tensor)
+    nbytes = tensor.nbytes
     pickled = _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-    template = _template(pickled, len(data), compute_crc)
+    template = _template(pickled, nbytes, compute_crc)
+    write_parts = getattr(stream, "write_parts", None)  # an item stream: no copy at all
+    if write_parts is not None and nbytes <= _CACHE_CHUNK_BYTES:
+        view = (ctypes.c_char * nbytes).from_address(tensor.data_ptr()) if nbytes else b""
+        tail = template.tail(zip_crc32(view) if compute_crc else 0)
+        written: int = write_parts((template.head, view, tail), tensor)
+        return written
+    data = _byte_view(tensor)
     if len(data) < _COPY_BELOW_BYTES:  # small: one write (and one checksum call)
         tail = template.tail(zip_crc32(data) if compute_crc else 0)
         blob = b"".join((template.head, data, tail))

@@ -31,8 +31,9 @@ class LocalFileSystem(FileSystemIO):
         # written through.
         _unlink_entry(path)
         fd = _create_exclusive(path)
-        # Small items coalesce in the buffer; larger writes go straight to the file
-        # (Python's BufferedWriter copies only writes that fit).
+        # Writes through the stream coalesce in the buffer (Python's BufferedWriter
+        # copies only writes that fit). Data files bypass it: both layouts gather their
+        # writes into positional calls on the descriptor (.positional).
         buffering = knobs.WRITE_BUFFER_BYTES.get()
         return open(fd, "wb", buffering=buffering)  # noqa: SIM115 - caller closes
 

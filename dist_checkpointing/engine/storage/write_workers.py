@@ -28,10 +28,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._torch_compat import StorageInfo
 from ..process import child_context, describe_exit, gc_paused, in_caller, traceback_text
 from .base import FileSystemIO
-from .checksums import ChecksumStream
 from .host_staging import StagingStep, TensorSlot
 from .item_checksums import ItemChecksum
 from .item_codec import decode_tensor_items, encode_tensor_items
+from .item_stream import ChecksumStream
 from .item_writer import item_padding
 from .resolve import filesystem_for
 from .results_channel import ResultsQueue
@@ -151,6 +151,7 @@ def write_bucket_file(bucket: WriteBucket, fs: FileSystemIO, sync_files: bool) -
                 offset += length
         finally:
             staged.close()
+        stream.flush()  # the gathered bytes too
         if sync_files:
             fs.fsync(raw)
     return FileResults(results, stream.file_digest())
