@@ -34,6 +34,14 @@ def test_block_hasher_fed_in_any_pieces_matches_the_whole(
     for lo, hi in zip(bounds, bounds[1:]):
         hasher.feed(data[lo:hi], hi - lo)
     assert hasher.finish() == block_crcs(data, block)
+    # The same pieces in one call (as the item stream hands over a small item's pieces),
+    # after a first piece fed alone.
+    hasher = BlockHasher(block)
+    first = bounds[1] if len(bounds) > 2 else 0
+    hasher.feed(data[:first], first)
+    pieces = [data[lo:hi] for lo, hi in zip(bounds, bounds[1:]) if lo >= first]
+    hasher.feed_all(pieces, [len(p) for p in pieces], len(data) - first)
+    assert hasher.finish() == block_crcs(data, block)
 
 
 def _items(sizes: list[int]) -> tuple[list[torch.Tensor], list[int]]:

@@ -145,6 +145,19 @@ class BlockHasher:
                 self.crc = 0
                 self.filled = 0
 
+    def feed_all(self, parts: Sequence[Any], sizes: Sequence[int], total: int) -> None:
+        """Add ``parts`` back to back (``sizes`` bytes each, ``total`` together): one
+        call for the pieces of a small item (its zip records and its tensor bytes)."""
+        if self.filled + total < self.block_bytes:
+            value = self.crc
+            for part in parts:
+                value = _crc32c.crc32c(part, value)
+            self.crc = value
+            self.filled += total
+            return
+        for part, size in zip(parts, sizes):
+            self.feed(part, size)
+
     def finish(self) -> list[int]:
         """The item's block checksums (one, of nothing, for an empty item)."""
         if self.filled or not self.blocks:

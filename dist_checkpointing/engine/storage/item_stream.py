@@ -112,12 +112,11 @@ class ChecksumStream:
                 parts
             ):
                 self._drain()
-            hasher, file_hash = self._hasher, self._file_hash
-            for part, size in zip(parts, sizes):
-                if hasher is not None:
-                    hasher.feed(part, size)
-                if file_hash is not None:
-                    file_hash.update(part)
+            if self._hasher is not None:
+                self._hasher.feed_all(parts, sizes, total)
+            if self._file_hash is not None:
+                for part in parts:
+                    self._file_hash.update(part)
             self._pending += parts
             self._pending_bytes += total
             self._position += total

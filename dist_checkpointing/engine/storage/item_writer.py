@@ -71,10 +71,16 @@ def write_tensor(stream: BinaryIO, tensor: torch.Tensor, compute_crc: bool | Non
     """
     if compute_crc is None:
         compute_crc = torch.serialization.get_crc32_options()
-    if not _fast_path_applies(tensor, compute_crc):
+    if not fast_path_applies(tensor, compute_crc):
         start = stream.tell()
         torch.save(tensor, stream)
         return stream.tell() - start
+    return write_plain_tensor(stream, tensor, compute_crc)
+
+
+def write_plain_tensor(stream: BinaryIO, tensor: torch.Tensor, compute_crc: bool) -> int:
+    """:func:`write_tensor` of a tensor :func:`fast_path_applies` to (not checked again);
+    ``compute_crc``: torch's crc32 option."""
     nbytes = tensor.nbytes
     pickled = _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     template = _template(pickled, nbytes, compute_crc)
@@ -186,7 +192,10 @@ def serialize_tensor(tensor: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def _fast_path_applies(t: torch.Tensor, compute_crc: bool) -> bool:
+def fast_path_applies(t: torch.Tensor, compute_crc: bool) -> bool:
+    """Whether :func:`write_tensor` writes ``t`` from a template (else through
+    ``torch.save``): a plain contiguous CPU tensor owning its whole storage, of a dtype
+    the template reproduces. ``compute_crc``: torch's crc32 option."""
     # Cheapest checks first: this runs once per item.
     if type(t) is not torch.Tensor or t.layout != torch.strided or not t.is_cpu:
         return False

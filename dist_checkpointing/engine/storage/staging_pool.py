@@ -345,7 +345,9 @@ class TensorItemWriter:
     def __init__(
         self, tensor_items: Sequence[tuple[Any, torch.Tensor]], compute_crc: bool | None = None
     ) -> None:
-        self._compute_crc = compute_crc  # torch's crc32 option, read once by the caller
+        if compute_crc is None:
+            compute_crc = torch.serialization.get_crc32_options()
+        self._compute_crc = compute_crc  # torch's crc32 option, read once per file
         on_device = [i for i, (_, t) in enumerate(tensor_items) if not t.is_cpu]
         pool = shared_pool() if on_device else None
         self.streamed = (
@@ -361,6 +363,8 @@ class TensorItemWriter:
 
     def write(self, stream: Any, index: int, tensor: torch.Tensor) -> int:
         """Write item ``index`` (``tensor``) to ``stream``; return the bytes written."""
+        if index not in self.streamed and item_writer.fast_path_applies(tensor, self._compute_crc):
+            return item_writer.write_plain_tensor(stream, tensor, self._compute_crc)  # most
         if index in self.streamed:
             return item_writer.write_tensor_streamed(stream, tensor, self._pieces())
         if tensor.is_cpu and not _whole_storage(tensor):
