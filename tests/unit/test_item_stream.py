@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from dist_checkpointing.engine.storage import item_writer
 from dist_checkpointing.engine.storage.checksums import block_crcs
 from dist_checkpointing.engine.storage.item_stream import ChecksumStream
+from dist_checkpointing.engine.storage.staging_pool import TensorItemWriter
 
 # (kind, size, new item?): kinds are how the caller hands its bytes over
 write = st.tuples(
@@ -170,3 +171,28 @@ def test_tensor_items_through_it_are_torch_save_byte_for_byte(
         expected.append(buf.getvalue())
     assert sizes == [len(e) for e in expected]
     assert written == b"".join(expected)
+
+
+def test_views_of_a_larger_buffer_are_written_as_copies_of_themselves(tmp_path: Path) -> None:
+    # As the snapshot arena of an async save hands them over: views of one buffer.
+    arena = (torch.arange(1 << 19) % 251).to(torch.uint8)
+    views = [
+        arena[64:80].view(torch.float32),  # 4 floats
+        arena[4096 : 4096 + 24576].view(torch.float32).reshape(6, 1024),  # 24 KiB
+        arena[65536 : 65536 + 131072].view(torch.bfloat16),  # 128 KiB
+        arena[1 << 18 :].view(torch.float32),  # 256 KiB up to the end of the buffer
+    ]
+    items = [(None, v) for v in views]
+    with open(tmp_path / "f", "wb") as raw:
+        stream = ChecksumStream(raw, 4096)
+        writer = TensorItemWriter(items)
+        sizes = [writer.write(stream, i, v) for i, v in enumerate(views)]
+        writer.close()
+        stream.flush()
+    expected = []
+    for v in views:
+        buf = io.BytesIO()
+        torch.save(v.clone(), buf)
+        expected.append(buf.getvalue())
+    assert sizes == [len(e) for e in expected]
+    assert (tmp_path / "f").read_bytes() == b"".join(expected)

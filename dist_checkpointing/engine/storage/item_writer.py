@@ -79,8 +79,9 @@ def write_tensor(stream: BinaryIO, tensor: torch.Tensor, compute_crc: bool | Non
 
 
 def write_plain_tensor(stream: BinaryIO, tensor: torch.Tensor, compute_crc: bool) -> int:
-    """:func:`write_tensor` of a tensor :func:`fast_path_applies` to (not checked again);
-    ``compute_crc``: torch's crc32 option."""
+    """:func:`write_tensor` of a tensor :func:`fast_path_applies` to (not checked again),
+    or of a contiguous copy of a CPU view :func:`can_stream` applies to (its own bytes,
+    as :func:`write_tensor_streamed` writes them); ``compute_crc``: torch's crc32 option."""
     nbytes = tensor.nbytes
     pickled = _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     template = _template(pickled, nbytes, compute_crc)

@@ -370,8 +370,7 @@ class TensorItemWriter:
         if tensor.is_cpu and not _whole_storage(tensor):
             # A view of a larger buffer (a snapshot segment): only its own bytes.
             if item_writer.can_stream(tensor):
-                data = byte_view(tensor).numpy().data
-                return item_writer.write_tensor_streamed(stream, tensor, [data])
+                return item_writer.write_plain_tensor(stream, tensor, self._compute_crc)
             tensor = tensor.clone(memory_format=torch.contiguous_format)
         if not tensor.is_cpu:
             # No pool (COPY_AHEAD_BYTES=0) or a tensor the streamed writer does not
