@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -196,3 +197,16 @@ def test_views_of_a_larger_buffer_are_written_as_copies_of_themselves(tmp_path: 
         expected.append(buf.getvalue())
     assert sizes == [len(e) for e in expected]
     assert (tmp_path / "f").read_bytes() == b"".join(expected)
+
+
+def test_a_failing_gathered_write_raises(tmp_path: Path) -> None:
+    # The gathered bytes go out later than write() returns: a failure must still surface
+    # (here the descriptor is gone, as after a device error), never be dropped.
+    raw = open(tmp_path / "f", "wb")  # noqa: SIM115
+    stream = ChecksumStream(raw, 4096)
+    stream.write(b"x" * 100)
+    os.close(raw.fileno())
+    with pytest.raises(OSError):
+        stream.flush()
+    with pytest.raises(OSError):
+        raw.close()
