@@ -104,6 +104,7 @@ _PR_SET_PDEATHSIG = 1
 # Modules the forkserver imports once, so that each rank starts without importing them.
 _ALWAYS_PRELOAD = (
     "torch",
+    "tests.support.fork_server",  # before any test module: no thread pool to inherit
     "torch.distributed",
     "torch.distributed.checkpoint",  # ~3 s to import per rank otherwise
     "dist_checkpointing.strategies.torch",
