@@ -210,3 +210,20 @@ def test_a_failing_gathered_write_raises(tmp_path: Path) -> None:
         stream.flush()
     with pytest.raises(OSError):
         raw.close()
+
+
+def test_a_pipe_or_a_file_written_before_is_written_in_order(tmp_path: Path) -> None:
+    # Positional writes need a file at its start; anything else gets the bytes in order.
+    read_end, write_end = os.pipe()
+    with open(write_end, "wb", buffering=0) as pipe:
+        stream = ChecksumStream(pipe, 4096)
+        stream.write_parts((b"ab", memoryview(b"cd"), b"ef"))
+        stream.flush()
+    assert os.read(read_end, 100) == b"abcdef"
+    os.close(read_end)
+    with open(tmp_path / "f", "wb") as raw:
+        raw.write(b"head:")
+        stream = ChecksumStream(raw, 4096)
+        stream.write(b"body")
+        stream.flush()
+    assert (tmp_path / "f").read_bytes() == b"head:body"

@@ -17,6 +17,7 @@ bytes are written to the stream in order, as they come.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from collections.abc import Sequence
 from typing import Any, BinaryIO
@@ -59,8 +60,7 @@ class ChecksumStream:
         self._item_start = 0
         self._file_hash = hashlib.sha256() if digest else None  # of every byte written
         self._piece = knobs.WRITE_CALL_BYTES.get()
-        fd = descriptor(stream)
-        self._fd = fd if fd is not None and stream.tell() == 0 else None
+        self._fd = _positional(stream)
         self._pending: list[Any] = []  # gathered buffers, written from _written on
         self._pending_bytes = 0
         self._written = 0
@@ -182,6 +182,19 @@ class ChecksumStream:
             raise AttributeError(name)
         self._drain()  # whatever the wrapped stream is asked sees every byte
         return getattr(self._stream, name)
+
+
+def _positional(stream: Any) -> int | None:
+    """The descriptor of ``stream`` where its bytes can be written with positional calls
+    from offset 0: a local file at its start (not a pipe, not one written before)."""
+    fd = descriptor(stream)
+    if fd is None:
+        return None
+    try:
+        at_start = stream.tell() == 0
+    except (OSError, ValueError, io.UnsupportedOperation):  # e.g. a pipe: not seekable
+        return None
+    return fd if at_start else None
 
 
 def _short_write(offset: int) -> Exception:
