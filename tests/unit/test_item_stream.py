@@ -227,3 +227,30 @@ def test_a_pipe_or_a_file_written_before_is_written_in_order(tmp_path: Path) -> 
         stream.write(b"body")
         stream.flush()
     assert (tmp_path / "f").read_bytes() == b"head:body"
+
+
+@pytest.mark.parametrize("piece", [50 << 10, 700 << 10, 3 << 20])
+def test_staged_pieces_in_one_reused_buffer_are_written_as_they_were(
+    tmp_path: Path, piece: int
+) -> None:
+    # What the streamed path of an accelerator tensor does: each piece is staged into
+    # the same buffer, which is overwritten once the next piece is asked for.
+    tensor = (torch.arange((3 << 20) // 2 + 5) % 251).to(torch.bfloat16)
+    data = tensor.view(torch.uint8).numpy().tobytes()
+    staging = bytearray(piece)
+
+    def pieces() -> Any:
+        for start in range(0, len(data), piece):
+            n = min(piece, len(data) - start)
+            staging[:n] = data[start : start + n]
+            yield memoryview(staging)[:n]
+
+    with open(tmp_path / "f", "wb") as raw:
+        stream = ChecksumStream(raw, 4096)
+        stream.write(b"before")
+        size = item_writer.write_tensor_streamed(stream, tensor, pieces())
+        stream.flush()
+    expected = io.BytesIO()
+    torch.save(tensor, expected)
+    assert size == len(expected.getvalue())
+    assert (tmp_path / "f").read_bytes() == b"before" + expected.getvalue()
