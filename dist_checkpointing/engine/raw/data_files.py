@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 from .. import knobs
 from ..storage.base import FileSystemIO
 from ..storage.checksums import BlockHasher, block_crcs, crc
-from ..storage.positional import IOV_MAX, descriptor, vectored_all
+from ..storage.positional import IOV_MAX, descriptor, write_all_at
 from ..storage.resolve import filesystem_for
 from ..storage.staging_pool import Chunk, CopyAhead, shared_pool
 from ..storage.tensor_bytes import byte_view
@@ -42,17 +41,6 @@ class FileWritten:
 
     crcs: np.ndarray
     sha256: str | None = None
-
-
-def buffer_of(data: Any) -> Any:
-    """A buffer over the bytes of ``data`` (a contiguous CPU tensor, or bytes) without a
-    copy; the caller keeps ``data`` alive while the buffer is used."""
-    if not isinstance(data, torch.Tensor):
-        return data
-    n = data.numel() * data.element_size()
-    if n == 0:
-        return b""
-    return (ctypes.c_char * n).from_address(data.data_ptr())
 
 
 class _Out:
@@ -79,13 +67,7 @@ class _Out:
             for b in buffers:
                 sha.update(b)
         if self.fd is not None:
-            if (
-                nbytes
-                and len(buffers) <= IOV_MAX
-                and os.pwritev(self.fd, buffers, offset) == nbytes
-            ):
-                return
-            _pwritev_all(self.fd, buffers, offset)  # short: again, whole (positional writes)
+            write_all_at(self.fd, buffers, offset, nbytes)
         else:
             for b in buffers:
                 self.stream.write(b)
@@ -249,15 +231,6 @@ def _write_large(out: _Out, buf: Any, offset: int, block: int, crcs: list[int]) 
         out.advance(offset + start + len(part))
 
 
-def _short_write(offset: int) -> Exception:
-    return OSError(f"pwritev wrote nothing at offset {offset}")
-
-
-def _pwritev_all(fd: int, buffers: list[Any], offset: int) -> None:
-    """Write ``buffers`` back to back at ``offset`` (a short write continues)."""
-    vectored_all(os.pwritev, fd, buffers, offset, _short_write)
-
-
 def write_rank(wr: RankWrite) -> list[FileWritten]:
     """Write every data file of ``wr`` (one thread per file); returns what each file's
     writing gave back, in file order. Raises whatever writing raised."""
@@ -272,4 +245,4 @@ def write_rank(wr: RankWrite) -> list[FileWritten]:
         return list(pool.map(lambda job: _write_file(fs, job[0], job[1], wr, job[2]), jobs))
 
 
-__all__ = ["FileWritten", "buffer_of", "write_rank"]
+__all__ = ["FileWritten", "write_rank"]

@@ -22,7 +22,7 @@ import torch
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from ..storage.location import CheckpointDir
 from ..storage.staging_pool import callers_stream, fill_from_host
-from .data_files import buffer_of
+from ..storage.tensor_bytes import buffer_of
 from .index import INDEX_NAME, KIND_FLAT, KIND_OBJECT, RawIndex, parse_index
 from .load_plan import LoadPlan, LoadPlanner, finish_objects
 from .reader import RawReader, Read

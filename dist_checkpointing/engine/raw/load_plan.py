@@ -34,7 +34,7 @@ from ..._shard_geometry import box_intersection, box_slices, flat_range_rows
 from ...errors import CheckpointingException, CorruptCheckpointError, ShapeMismatchError
 from ...mapping import ShardedObject, ShardedTensor
 from ..storage.staging_pool import StagingPool, shared_pool
-from .data_files import buffer_of
+from ..storage.tensor_bytes import buffer_of
 from .index import DTYPES, ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
 from .reader import Read
 

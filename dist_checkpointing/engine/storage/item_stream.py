@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 from .. import knobs
 from .checksums import BlockHasher
 from .item_checksums import ItemChecksum
-from .positional import IOV_MAX, descriptor, vectored_all
+from .positional import IOV_MAX, descriptor, write_all_at
 from .writeback import Writeback
 
 # A write of a mutable buffer smaller than this is copied and gathered (the caller may
@@ -102,15 +101,12 @@ class ChecksumStream:
         sizes = [p.nbytes if isinstance(p, memoryview) else len(p) for p in parts]
         total = sum(sizes)
         if self._fd is None or total > self._piece or len(parts) >= IOV_MAX:
+            put = self._to_stream if self._fd is None else self._gather
             for part, size in zip(parts, sizes):
-                if self._fd is None:
-                    self._to_stream(part, size)
-                else:
-                    self._gather(part, size)
+                put(part, size)
         else:  # (most items: one call's worth, gathered whole)
-            if self._pending_bytes + total > self._piece or len(self._pending) >= IOV_MAX - len(
-                parts
-            ):
+            full = len(self._pending) + len(parts) >= IOV_MAX
+            if full or self._pending_bytes + total > self._piece:
                 self._drain()
             if self._hasher is not None:
                 self._hasher.feed_all(parts, sizes, total)
@@ -136,12 +132,16 @@ class ChecksumStream:
             self._file_hash.update(data)
         self._position += size
 
+    def _split(self, data: Any, size: int, put: Callable[[Any, int], None]) -> None:
+        """``put`` each ``WRITE_CALL_BYTES`` piece of ``data`` (larger than that)."""
+        view = memoryview(data).cast("B")
+        for start in range(0, size, self._piece):
+            put(view[start : start + self._piece], min(self._piece, size - start))
+
     def _to_stream(self, data: Any, size: int) -> None:
         """Write in order to the wrapped stream, in calls of at most ``WRITE_CALL_BYTES``."""
         if size > self._piece:
-            view = memoryview(data).cast("B")
-            for start in range(0, size, self._piece):
-                self._to_stream(view[start : start + self._piece], min(self._piece, size - start))
+            self._split(data, size, self._to_stream)
             return
         n = self._stream.write(data)
         if n is not None and n != size:  # buffered writers write all or raise
@@ -154,9 +154,7 @@ class ChecksumStream:
         """Add ``data`` to the gathered bytes; a call goes out whenever the next piece
         would take it past ``WRITE_CALL_BYTES``."""
         if size > self._piece:
-            view = memoryview(data).cast("B")
-            for start in range(0, size, self._piece):
-                self._gather(view[start : start + self._piece], min(self._piece, size - start))
+            self._split(data, size, self._gather)
             return
         if self._pending_bytes + size > self._piece or len(self._pending) >= IOV_MAX:
             self._drain()
@@ -170,8 +168,7 @@ class ChecksumStream:
             return
         assert self._fd is not None
         pending, nbytes, at = self._pending, self._pending_bytes, self._written
-        if os.pwritev(self._fd, pending, at) != nbytes:  # short: the rest again
-            vectored_all(os.pwritev, self._fd, pending, at, _short_write)
+        write_all_at(self._fd, pending, at, nbytes)
         self._pending, self._pending_bytes, self._keep = [], 0, []
         self._written = at + nbytes
         if self._writeback is not None:
@@ -195,10 +192,6 @@ def _positional(stream: Any) -> int | None:
     except (OSError, ValueError, io.UnsupportedOperation):  # e.g. a pipe: not seekable
         return None
     return fd if at_start else None
-
-
-def _short_write(offset: int) -> Exception:
-    return OSError(f"pwritev wrote nothing at offset {offset}")
 
 
 __all__ = ["ChecksumStream"]

@@ -11,7 +11,6 @@ writer does not handle (subclasses, non-contiguous, views, archives of 4 GiB or 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import io
 import logging
@@ -24,7 +23,7 @@ import torch
 from ..process import cores_per_rank
 from .checksums import zip_crc32
 from .item_template import _MAX_FAST_BYTES, _itemsize, _record_name_hash, _template, _tensor_pickle
-from .tensor_bytes import byte_view
+from .tensor_bytes import buffer_of, byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +84,17 @@ def write_plain_tensor(stream: BinaryIO, tensor: torch.Tensor, compute_crc: bool
     nbytes = tensor.nbytes
     pickled = _tensor_pickle(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     template = _template(pickled, nbytes, compute_crc)
-    write_parts = getattr(stream, "write_parts", None)  # an item stream: no copy at all
-    if write_parts is not None and nbytes <= _CACHE_CHUNK_BYTES:
-        view = (ctypes.c_char * nbytes).from_address(tensor.data_ptr()) if nbytes else b""
-        tail = template.tail(zip_crc32(view) if compute_crc else 0)
-        written: int = write_parts((template.head, view, tail), tensor)
-        return written
+    if nbytes <= _CACHE_CHUNK_BYTES:  # one piece: checksummed, then written whole
+        view = buffer_of(tensor)
+        parts = (template.head, view, template.tail(zip_crc32(view) if compute_crc else 0))
+        write_parts = getattr(stream, "write_parts", None)  # an item stream: no copy
+        if write_parts is not None:
+            written: int = write_parts(parts, tensor)
+            return written
+        for part in parts:
+            stream.write(part)
+        return len(parts[0]) + nbytes + len(parts[2])
     data = _byte_view(tensor)
-    if len(data) < _COPY_BELOW_BYTES:  # small: one write (and one checksum call)
-        tail = template.tail(zip_crc32(data) if compute_crc else 0)
-        blob = b"".join((template.head, data, tail))
-        stream.write(blob)
-        return len(blob)
     stream.write(template.head)
     crc = _write_checksummed(stream, data, 0, compute_crc)
     tail = template.tail(crc)
@@ -212,15 +210,8 @@ def fast_path_applies(t: torch.Tensor, compute_crc: bool) -> bool:
     )
 
 
-# Below this size a tensor's bytes are copied out (cheaper than a numpy view).
-_COPY_BELOW_BYTES = 64 << 10
-
-
-def _byte_view(t: torch.Tensor) -> bytes | memoryview:
-    """The bytes of a contiguous CPU tensor (a zero-copy view for large tensors)."""
-    nbytes = t.nbytes
-    if nbytes < _COPY_BELOW_BYTES:
-        return ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
     return byte_view(t).numpy().data
 
 

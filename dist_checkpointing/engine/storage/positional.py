@@ -53,4 +53,18 @@ def vectored_all(
             views[i] = views[i][done:]
 
 
-__all__ = ["IOV_MAX", "descriptor", "vectored_all"]
+def write_all_at(fd: int, buffers: list[Any], offset: int, nbytes: int = 0) -> None:
+    """``buffers`` written back to back at ``offset`` of ``fd``: one ``os.pwritev`` where
+    it takes them all (``nbytes``, their total, known: no view of each buffer is made);
+    else, or after a short write, all of them again through :func:`vectored_all`
+    (positional writes: rewriting is harmless)."""
+    if nbytes and len(buffers) <= IOV_MAX and os.pwritev(fd, buffers, offset) == nbytes:
+        return
+    vectored_all(os.pwritev, fd, buffers, offset, _short_write)
+
+
+def _short_write(offset: int) -> Exception:
+    return OSError(f"pwritev wrote nothing at offset {offset}")
+
+
+__all__ = ["IOV_MAX", "descriptor", "vectored_all", "write_all_at"]

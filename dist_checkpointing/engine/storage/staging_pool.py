@@ -363,10 +363,10 @@ class TensorItemWriter:
 
     def write(self, stream: Any, index: int, tensor: torch.Tensor) -> int:
         """Write item ``index`` (``tensor``) to ``stream``; return the bytes written."""
-        if index not in self.streamed and item_writer.fast_path_applies(tensor, self._compute_crc):
-            return item_writer.write_plain_tensor(stream, tensor, self._compute_crc)  # most
         if index in self.streamed:
             return item_writer.write_tensor_streamed(stream, tensor, self._pieces())
+        if item_writer.fast_path_applies(tensor, self._compute_crc):
+            return item_writer.write_plain_tensor(stream, tensor, self._compute_crc)  # most
         if tensor.is_cpu and not _whole_storage(tensor):
             # A view of a larger buffer (a snapshot segment): only its own bytes.
             if item_writer.can_stream(tensor):

@@ -9,6 +9,9 @@ in place takes them from here.
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import torch
 
 
@@ -22,6 +25,17 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def buffer_of(data: Any) -> Any:
+    """A buffer over the bytes of ``data`` (a contiguous CPU tensor, or bytes) without a
+    copy; the caller keeps ``data`` alive while the buffer is used."""
+    if not isinstance(data, torch.Tensor):
+        return data
+    n = data.numel() * data.element_size()
+    if n == 0:
+        return b""
+    return (ctypes.c_char * n).from_address(data.data_ptr())
+
+
 def contiguous_strides(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     """The strides, in elements, of a C-order contiguous tensor of ``shape``."""
     strides = []
@@ -32,4 +46,4 @@ def contiguous_strides(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-__all__ = ["byte_view", "contiguous_strides"]
+__all__ = ["buffer_of", "byte_view", "contiguous_strides"]
