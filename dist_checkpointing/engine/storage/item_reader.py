@@ -34,6 +34,7 @@ from .item_template import (
     _data_start,
     _itemsize,
     _record_name_hash,
+    _Template,
     _template,
 )
 
@@ -247,13 +248,83 @@ _HEAD_BYTES = 4096
 _PKL_PROBE_BYTES = 512
 
 
+@dataclass(frozen=True)
+class _KnownLayout:
+    """An archive layout recognized before: its bytes before the tensor data (every
+    record up to data/0's header, ``data.pkl`` included), the constant stretches of its
+    tail, and the record it describes. An item of the same length whose first bytes are
+    this ``head`` holds the same ``data.pkl``, so it is described by the same record."""
+
+    head: bytes
+    tail_length: int
+    tail_segments: tuple[tuple[int, int, bytes], ...]  # (start, stop, bytes) in the tail
+    record: TensorRecord
+
+    def tail_matches(self, tail: bytes) -> bool:
+        """Whether ``tail`` (the item's last ``tail_length`` bytes) is this layout's,
+        whatever its crcs and serialization id."""
+        for start, stop, constant in self.tail_segments:  # noqa: SIM110 - per item: no generator
+            if tail[start:stop] != constant:
+                return False
+        return True
+
+
+# Layouts recognized so far, by item length (a few per length at most: same-sized
+# tensors of another shape or dtype). Bounded: cleared when it grows past _KNOWN_MAX.
+_KNOWN: dict[int, list[_KnownLayout]] = {}
+_KNOWN_MAX = 4096
+
+
+def _known_layout(template: _Template, record: TensorRecord) -> _KnownLayout:
+    """The layout of ``template``'s archives: its tail without the fields that depend
+    on the tensor bytes (their crcs and the serialization id derived from them)."""
+    variable = sorted(
+        [(template.sid_at, 40)] + [(at, 4) for at in (*template.data_crc_at, *template.sid_crc_at)]
+    )
+    tail = template.tail_bytes
+    segments = []
+    pos = 0
+    for at, n in variable:
+        if at > pos:
+            segments.append((pos, at, tail[pos:at]))
+        pos = max(pos, at + n)
+    if pos < len(tail):
+        segments.append((pos, len(tail), tail[pos:]))
+    return _KnownLayout(template.head, len(tail), tuple(segments), record)
+
+
+def _remember(length: int, layout: _KnownLayout) -> None:
+    if sum(len(v) for v in _KNOWN.values()) >= _KNOWN_MAX:
+        _KNOWN.clear()
+    _KNOWN.setdefault(length, []).append(layout)
+
+
+def _with_tail(
+    layout: _KnownLayout, read_at: ReadAt, length: int, defer_tail: bool
+) -> TensorRecord | None:
+    """``layout``'s record once the item's tail matches (checked now, or by the caller
+    through ``tail_check`` with ``defer_tail``); None if it does not."""
+    n = layout.tail_length
+
+    def tail_matches() -> bool:
+        return layout.tail_matches(bytes(read_at(length - n, n)))
+
+    if defer_tail:
+        return replace(layout.record, tail_check=tail_matches)
+    return layout.record if tail_matches() else None
+
+
 def _match_template(read_at: ReadAt, length: int, defer_tail: bool = False) -> TensorRecord | None:
     """The record of an item laid out exactly as ``torch.save`` lays out its ``data.pkl``
     (the common case: any bytes except the tensor data, crcs and id would differ), or
-    None. Much cheaper than walking the zip directory."""
+    None. Much cheaper than walking the zip directory; an item of a layout seen before
+    (same length, same bytes before the tensor data) costs two comparisons."""
     if _NATIVE_ORDER != b"little":  # the template says "little"
         return None
     head = read_at(0, min(length, _HEAD_BYTES))
+    for known in _KNOWN.get(length, ()):
+        if bytes(head[: len(known.head)]) == known.head:
+            return _with_tail(known, read_at, length, defer_tail)
     if len(head) < _LOCAL.size + len(_PKL_NAME) or bytes(head[30:46]) != _PKL_NAME:
         return None
     start = _LOCAL.size + len(_PKL_NAME) + _LOCAL.unpack_from(head)[10]
@@ -272,23 +343,14 @@ def _match_template(read_at: ReadAt, length: int, defer_tail: bool = False) -> T
         return None
     nbytes = _storage_bytes(spec)
     template = _template(pickled, nbytes)
-    tail_len = len(template.tail_bytes)
     if (
-        length != len(template.head) + nbytes + tail_len
+        length != len(template.head) + nbytes + len(template.tail_bytes)
         or bytes(head[: len(template.head)]) != template.head
     ):
         return None
-
-    def tail_matches() -> bool:
-        tail = bytearray(read_at(length - tail_len, tail_len))
-        tail[template.sid_at : template.sid_at + 40] = bytes(40)
-        for at in (*template.data_crc_at, *template.sid_crc_at):
-            tail[at : at + 4] = bytes(4)
-        return tail == template.tail_bytes
-
-    if defer_tail:
-        return replace(_make_record(spec, len(template.head), nbytes), tail_check=tail_matches)
-    return _make_record(spec, len(template.head), nbytes) if tail_matches() else None
+    layout = _known_layout(template, _make_record(spec, len(template.head), nbytes))
+    _remember(length, layout)
+    return _with_tail(layout, read_at, length, defer_tail)
 
 
 def _parse_zip(read_at: ReadAt, length: int) -> TensorRecord:
