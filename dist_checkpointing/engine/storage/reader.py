@@ -316,7 +316,7 @@ class FileSystemReader(StorageReader):
     ) -> None:
         path = self.location.path(relative_path)
         items = sorted(items, key=lambda pair: pair[1].offset)
-        keys = sorted({str(ri.storage_index.fqn) for ri, _ in items})
+        keys = sorted({str(ri.storage_index.fqn) for ri, _ in items[:11]})  # for a message
         spans = [(info.offset, info.length) for _, info in items]
         stream, size = self.location.open_data_file(relative_path, keys, spans)
         with stream:

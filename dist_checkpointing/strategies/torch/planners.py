@@ -403,6 +403,7 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         self.validate_requests()
+        mismatch_allowed = set()
         for key, shards in self.state_dict.items():
             for sh in shards:
                 if isinstance(sh, ShardedObject):
@@ -410,6 +411,8 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
                 else:
                     assert isinstance(sh, ShardedTensor)
                     self.layout.plan_tensor(key, sh)
+                    if sh.allow_shape_mismatch:
+                        mismatch_allowed.add(key)
         items: list[ReadItem] = [
             ReadItem(
                 type=LoadItemType.BYTE_IO,
@@ -425,14 +428,11 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
             md = self.metadata.state_dict_metadata[key]
             assert isinstance(md, TensorStorageMetadata)
             reads = read_items(key, md, [c for c, _ in chunk_targets])
-            self.layout.count_reads(key, reads, chunk_targets, self._allows_mismatch(key))
+            self.layout.count_reads(key, reads, chunk_targets, key in mismatch_allowed)
             items.extend(reads)
         self.layout.finish_ready()
         self.plan = LoadPlan(items)
         return self.plan
-
-    def _allows_mismatch(self, key: str) -> bool:
-        return any(getattr(sh, "allow_shape_mismatch", False) for sh in self.state_dict[key])
 
     # ------------------------------------------------------------------ reading
 
