@@ -144,6 +144,39 @@ def test_sparse_tensor_with_out_of_range_indices_is_refused() -> None:
     assert torch.equal(loaded["s"].to_dense(), good.to_dense())
 
 
+def test_a_damaged_record_crc_is_a_corrupt_checkpoint_error() -> None:
+    """zipfile checks a record's CRC-32 when the bounds check reads data.pkl: a damaged
+    one is reported as damage, naming the source (not as zipfile.BadZipFile)."""
+    payload = bytearray(_saved({"a": 1}))
+    record = zipfile.ZipFile(io.BytesIO(bytes(payload))).getinfo("archive/data.pkl")
+    local = record.header_offset  # its local header: name and extra field lengths
+    name_len, extra_len = (
+        int.from_bytes(payload[local + i : local + i + 2], "little") for i in (26, 28)
+    )
+    at = local + 30 + name_len + extra_len
+    assert payload[at] == 0x80  # data.pkl's PROTO opcode
+    payload[at + 2] ^= 0x10  # the opcode after it
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt/obj: archive record .*damaged"):
+        safe_torch_load(bytes(payload), source="ckpt/obj")
+
+
+@pytest.mark.parametrize("opcode", [b"\x96", b"\x97", b"\x98"], ids=["bytearray8", "next", "ro"])
+def test_buffer_opcodes_in_a_tensor_pickle_never_reach_the_c_unpickler(
+    opcode: bytes, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A damaged byte that turns into BYTEARRAY8 with a huge length made CPython's
+    unpickler print "deallocated bytearray object has exported buffers"; such opcodes
+    (never in torch.save's data.pkl) send the item to torch.load instead."""
+    archive = _saved(torch.arange(4.0))
+    pickled = zipfile.ZipFile(io.BytesIO(archive)).read("archive/data.pkl")
+    at = pickled.index(b"X\x07\x00\x00\x00storage")  # BINUNICODE 'storage'
+    extra = (1 << 40).to_bytes(8, "little") if opcode == b"\x96" else b""  # its length
+    crafted = pickled[:at] + opcode + extra + pickled[at:]
+    with pytest.raises(NotFastPath, match="data.pkl"):
+        item_reader._tensor_spec(crafted)
+    assert "SystemError" not in capfd.readouterr().err
+
+
 # ----------------------------------------------------------------------------- handed out
 
 

@@ -199,7 +199,13 @@ def check_payload(raw: bytes, source: str) -> None:
     # is up to its zip reader.
     for record in records:
         if record.filename.rpartition("/")[2] == "data.pkl":
-            check_pickle(archive.read(record), source)
+            try:
+                pickled = archive.read(record)
+            except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+                raise CorruptCheckpointError(
+                    f"{source}: archive record {short_repr(record.filename)} is damaged ({exc})"
+                ) from None
+            check_pickle(pickled, source)
 
 
 def _torch_load(stream: BinaryIO, source: str, *, weights_only: bool) -> Any:

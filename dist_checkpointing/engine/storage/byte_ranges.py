@@ -114,6 +114,22 @@ class DataFile:
         )
 
 
+def mismatch_error(
+    path: str, offset: int, length: int, read_item: ReadItem, at: int, expected: int, found: int
+) -> ChecksumMismatchError:
+    """The error for the item at ``offset`` (``length`` bytes) of ``path`` whose bytes
+    from item offset ``at`` have crc32c ``found`` where ``expected`` was recorded."""
+    key = str(read_item.storage_index.fqn)
+    return ChecksumMismatchError(
+        f"checksum mismatch in {path} at byte {offset + at} (item {key!r} at offset "
+        f"{offset}, length {length}; crc32c {found:08x}, recorded {expected:08x}): the "
+        f"file was damaged or comes from another save",
+        key=key,
+        file=path,
+        offset=offset + at,
+    )
+
+
 # Checksum blocks read per piece when the hashing thread checksums them.
 _BLOCKS_PER_PIECE = 8
 
@@ -194,15 +210,14 @@ class ItemBytes:
             else:
                 self.verifier.finish(self._read_unverified)
         except ChecksumMismatch as exc:
-            key = str(self.read_item.storage_index.fqn)
-            raise ChecksumMismatchError(
-                f"checksum mismatch in {self.file.path} at byte {self.offset + exc.offset} "
-                f"(item {key!r} at offset {self.offset}, length {self.length}; crc32c "
-                f"{exc.found:08x}, recorded {exc.expected:08x}): the file was damaged or "
-                f"comes from another save",
-                key=key,
-                file=self.file.path,
-                offset=self.offset + exc.offset,
+            raise mismatch_error(
+                self.file.path,
+                self.offset,
+                self.length,
+                self.read_item,
+                exc.offset,
+                exc.expected,
+                exc.found,
             ) from None
         self.verifier = None
 
@@ -384,4 +399,4 @@ class ItemBytes:
         )
 
 
-__all__ = ["DataFile", "ItemBytes"]
+__all__ = ["DataFile", "ItemBytes", "mismatch_error"]

@@ -14,6 +14,7 @@ import collections
 import functools
 import io
 import pickle
+import pickletools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -194,6 +195,7 @@ def _tensor_spec(pickled: bytes) -> _TensorSpec:
         check_pickle(pickled, "data.pkl")
     except CorruptCheckpointError as exc:
         raise NotFastPath(str(exc)) from None
+    _check_opcodes(pickled)
     try:
         spec = _TensorPickleReader(io.BytesIO(pickled)).load()
     except NotFastPath:
@@ -205,6 +207,23 @@ def _tensor_spec(pickled: bytes) -> _TensorSpec:
     if not _is_contiguous(spec.shape, spec.stride):
         raise NotFastPath(f"non-contiguous stored tensor (stride {spec.stride})")
     return spec
+
+
+# Out-of-band buffer opcodes (protocol 5): never in torch.save's data.pkl, and a damaged
+# length on one makes CPython's unpickler report "deallocated bytearray object has
+# exported buffers" on stderr before it fails.
+_BUFFER_OPCODES = frozenset({"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER"})
+
+
+def _check_opcodes(pickled: bytes) -> None:
+    """Raise NotFastPath unless ``pickled`` is a well-formed run of opcodes, none of
+    them :data:`_BUFFER_OPCODES` (checked before the C unpickler sees it)."""
+    try:
+        names = {op.name for op, _, _ in pickletools.genops(pickled)}
+    except Exception as exc:  # noqa: BLE001 - any malformed opcode or argument
+        raise NotFastPath(f"data.pkl malformed: {exc}") from None
+    if names & _BUFFER_OPCODES:
+        raise NotFastPath(f"data.pkl uses {sorted(names & _BUFFER_OPCODES)}")
 
 
 _NATIVE_ORDER = sys.byteorder.encode()
@@ -249,7 +268,7 @@ _PKL_PROBE_BYTES = 512
 
 
 @dataclass(frozen=True)
-class _KnownLayout:
+class KnownLayout:
     """An archive layout recognized before: its bytes before the tensor data (every
     record up to data/0's header, ``data.pkl`` included), the constant stretches of its
     tail, and the record it describes. An item of the same length whose first bytes are
@@ -271,11 +290,11 @@ class _KnownLayout:
 
 # Layouts recognized so far, by item length (a few per length at most: same-sized
 # tensors of another shape or dtype). Bounded: cleared when it grows past _KNOWN_MAX.
-_KNOWN: dict[int, list[_KnownLayout]] = {}
+_KNOWN: dict[int, list[KnownLayout]] = {}
 _KNOWN_MAX = 4096
 
 
-def _known_layout(template: _Template, record: TensorRecord) -> _KnownLayout:
+def _known_layout(template: _Template, record: TensorRecord) -> KnownLayout:
     """The layout of ``template``'s archives: its tail without the fields that depend
     on the tensor bytes (their crcs and the serialization id derived from them)."""
     variable = sorted(
@@ -290,17 +309,24 @@ def _known_layout(template: _Template, record: TensorRecord) -> _KnownLayout:
         pos = max(pos, at + n)
     if pos < len(tail):
         segments.append((pos, len(tail), tail[pos:]))
-    return _KnownLayout(template.head, len(tail), tuple(segments), record)
+    return KnownLayout(template.head, len(tail), tuple(segments), record)
 
 
-def _remember(length: int, layout: _KnownLayout) -> None:
+def known_layout(length: int) -> KnownLayout | None:
+    """The one layout recognized so far for items of ``length`` bytes (None: none, or
+    several: the bytes must be read to tell)."""
+    known = _KNOWN.get(length)
+    return known[0] if known is not None and len(known) == 1 else None
+
+
+def _remember(length: int, layout: KnownLayout) -> None:
     if sum(len(v) for v in _KNOWN.values()) >= _KNOWN_MAX:
         _KNOWN.clear()
     _KNOWN.setdefault(length, []).append(layout)
 
 
 def _with_tail(
-    layout: _KnownLayout, read_at: ReadAt, length: int, defer_tail: bool
+    layout: KnownLayout, read_at: ReadAt, length: int, defer_tail: bool
 ) -> TensorRecord | None:
     """``layout``'s record once the item's tail matches (checked now, or by the caller
     through ``tail_check`` with ``defer_tail``); None if it does not."""

@@ -63,8 +63,19 @@ def write_all_at(fd: int, buffers: list[Any], offset: int, nbytes: int = 0) -> N
     vectored_all(os.pwritev, fd, buffers, offset, _short_write)
 
 
+def read_all_at(
+    fd: int, buffers: list[Any], offset: int, nbytes: int, on_short: Callable[[int], Exception]
+) -> None:
+    """``buffers`` filled back to back from ``offset`` of ``fd``: one ``os.preadv`` where
+    it fills them all (``nbytes``, their total); else, or after a short read, all of them
+    again through :func:`vectored_all` (positional reads: rereading is harmless)."""
+    if len(buffers) <= IOV_MAX and os.preadv(fd, buffers, offset) == nbytes:
+        return
+    vectored_all(os.preadv, fd, buffers, offset, on_short)
+
+
 def _short_write(offset: int) -> Exception:
     return OSError(f"pwritev wrote nothing at offset {offset}")
 
 
-__all__ = ["IOV_MAX", "descriptor", "vectored_all", "write_all_at"]
+__all__ = ["IOV_MAX", "descriptor", "read_all_at", "vectored_all", "write_all_at"]

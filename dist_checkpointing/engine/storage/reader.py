@@ -10,6 +10,7 @@ anything unexpected falls back to ``torch.load(weights_only=True)`` of the item.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -37,6 +38,7 @@ from ..safety import load_metadata
 from . import region_copy
 from .byte_ranges import DataFile, ItemBytes
 from .checksums import BlockVerifier
+from .direct_items import direct_runs
 from .item_reader import parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
@@ -334,9 +336,26 @@ class FileSystemReader(StorageReader):
             defer = not self.fs.sequential_reads
             previous: ItemBytes | None = None
             current: ItemBytes | None = None
+            direct = None  # items whose layout is known: read without a window
+            if file.fd is not None and self.fast_path and not self.fs.sequential_reads:
+                lookup = self.location.context.item_checksum
+                of_file = None if lookup is None else functools.partial(lookup, relative_path)
+                direct = direct_runs(file, planner, lock, of_file)
+
+            def verify_previous() -> None:
+                nonlocal previous
+                if previous is not None:
+                    done, previous = previous, None
+                    done.verify()
+
             i = 0
             try:
                 while i < len(items):
+                    if direct is not None:
+                        j = direct(items, i, verify_previous)
+                        if j > i:
+                            i = j
+                            continue
                     j = file.load_window(items, i)
                     for read_item, info in items[i:j]:
                         item = current = ItemBytes(file, info.offset, info.length, read_item)

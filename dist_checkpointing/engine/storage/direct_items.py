@@ -1,0 +1,219 @@
+"""Small tensor items read straight into their destinations: :func:`read_direct`.
+
+The reader fetches small neighbouring items with one read into a window, then copies
+each item's tensor bytes from the window into its destination. Where the layout of an
+item is already known before it is read, that copy is not needed: a run of such items
+is read with one ``os.preadv`` per 1,024 buffers, each item's records before its tensor
+bytes into a small buffer, the tensor bytes into the destination tensor itself, and the
+records after them into another small buffer.
+
+The layout is known from the item's length (:func:`.item_reader.known_layout`: an
+earlier item of that length was recognized, and no other layout of that length was
+seen). It is then checked as for any item: the records read must be the layout's,
+else the item is read the usual way (its destination is filled again). The item's
+checksum covers what was read, in order (the records, the tensor bytes, the records
+after), and is checked before its records are, so that damage is reported as damage.
+
+Only the plain case is read this way: a whole stored tensor into a contiguous CPU
+destination of its dtype, from a local file (a descriptor), an item of one checksum
+block at most. Anything else stops the run; the caller goes on the usual way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ...errors import CorruptCheckpointError
+from .byte_ranges import DataFile, mismatch_error
+from .checksums import crc
+from .item_checksums import ItemChecksum
+from .item_reader import KnownLayout, known_layout
+from .positional import IOV_MAX, read_all_at
+from .tensor_bytes import buffer_of
+
+
+@dataclass
+class _Direct:
+    """One item of a run: where it is, where its tensor bytes land, what it must hold."""
+
+    read_item: ReadItem
+    offset: int
+    length: int
+    layout: KnownLayout
+    target: torch.Tensor
+    checksum: ItemChecksum | None
+    head: bytearray
+    data: Any  # the target's bytes
+    tail: bytearray
+
+
+# Resolves a read item to the tensor its bytes are read into.
+Resolve = Callable[[ReadItem], torch.Tensor]
+# The recorded checksum of the item at an offset (None: not verified), or False: the
+# record does not fit this path (the usual path reports it).
+ChecksumOf = Callable[[int, int], "ItemChecksum | None | bool"]
+
+
+def read_direct(
+    file: DataFile,
+    items: Sequence[tuple[ReadItem, Any]],
+    i: int,
+    resolve: Resolve,
+    checksum_of: ChecksumOf,
+    commit: Callable[[ReadItem, torch.Tensor], None],
+    before: Callable[[], None] = lambda: None,
+) -> int:
+    """Read the run of items from ``items[i]`` that this path takes (see the module
+    docstring) and hand each to ``commit``; return the index of the first item it did
+    not read (``i``: none). ``items`` are in offset order. ``before`` is called before
+    the first item is verified (the caller verifies what it read before, so that the
+    first damaged item is the one reported).
+
+    Raises:
+        ChecksumMismatchError: an item's bytes differ from its recorded checksum.
+        CorruptCheckpointError: the file ended early.
+    """
+    run = _plan_run(file, items, i, resolve, checksum_of)
+    if not run:
+        return i
+    _read_run(file, run)
+    before()
+    for n, item in enumerate(run):
+        if item.checksum is not None:
+            _verify(file, item)
+        if bytes(item.head) != item.layout.head or not item.layout.tail_matches(bytes(item.tail)):
+            return i + n  # not the layout expected: the usual path reads it again
+        commit(item.read_item, item.target)
+    return i + len(run)
+
+
+def direct_runs(
+    file: DataFile,
+    planner: LoadPlanner,
+    lock: AbstractContextManager[Any],
+    checksums: Callable[[int], ItemChecksum | None] | None,
+) -> Callable[[Sequence[tuple[ReadItem, Any]], int, Callable[[], None]], int]:
+    """:func:`read_direct` for the items of ``file`` (a local file: :attr:`DataFile.fd`
+    is set), into ``planner``'s destinations (resolved and committed under ``lock``);
+    ``checksums(offset)`` is the file's item checksum lookup (None: not verified).
+    Called as ``run(items, i, before)``."""
+
+    def checksum_of(offset: int, length: int) -> ItemChecksum | None | bool:
+        if checksums is None:
+            return None
+        checksum = checksums(offset)
+        if checksum is None or checksum.length != length or len(checksum.blocks) != 1:
+            return False  # the usual path reports it, or checks its blocks
+        return checksum
+
+    def resolve(read_item: ReadItem) -> torch.Tensor:
+        with lock:
+            return planner.resolve_tensor(read_item)
+
+    def commit(read_item: ReadItem, target: torch.Tensor) -> None:
+        with lock:
+            planner.commit_tensor(read_item, target)
+
+    def run(items: Sequence[tuple[ReadItem, Any]], i: int, before: Callable[[], None]) -> int:
+        return read_direct(file, items, i, resolve, checksum_of, commit, before)
+
+    return run
+
+
+def _plan_run(
+    file: DataFile,
+    items: Sequence[tuple[ReadItem, Any]],
+    i: int,
+    resolve: Resolve,
+    checksum_of: ChecksumOf,
+) -> list[_Direct]:
+    small, max_gap, window = file.limits
+    run: list[_Direct] = []
+    end = start = items[i][1].offset
+    for read_item, info in items[i:]:
+        offset, length = info.offset, info.length
+        if (
+            read_item.type != LoadItemType.TENSOR
+            or length > small
+            or offset < end
+            or offset - end > max_gap
+            or offset + length - start > window
+        ):
+            break
+        layout = known_layout(length)
+        if layout is None or not _whole(read_item, layout):
+            break
+        target = resolve(read_item)
+        if target.requires_grad:
+            target = target.detach()
+        record = layout.record
+        if not (
+            target.is_cpu
+            and target.dtype == record.dtype
+            and target.is_contiguous()
+            and target.nbytes == record.data_length
+        ):
+            break
+        checksum = checksum_of(offset, length)
+        if checksum is False:
+            break
+        assert checksum is None or isinstance(checksum, ItemChecksum)
+        head, tail = bytearray(len(layout.head)), bytearray(layout.tail_length)
+        data = buffer_of(target) if target.nbytes else bytearray()
+        run.append(_Direct(read_item, offset, length, layout, target, checksum, head, data, tail))
+        end = offset + length
+    return run
+
+
+def _whole(read_item: ReadItem, layout: KnownLayout) -> bool:
+    """Whether ``read_item`` asks for the whole stored tensor, which starts its storage."""
+    record = layout.record
+    return (
+        record.storage_offset == 0
+        and tuple(read_item.lengths) == record.shape
+        and not any(read_item.storage_offsets)
+    )
+
+
+def _read_run(file: DataFile, run: list[_Direct]) -> None:
+    """Fill each item's buffers, a ``preadv`` per :data:`IOV_MAX` buffers."""
+    assert file.fd is not None
+    first = run[0]
+
+    def short(at: int) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{file.path}: short read at byte {at} while reading item "
+            f"{first.read_item.storage_index.fqn!r} and the {len(run) - 1} after it "
+            f"(the file may have been truncated)"
+        )
+
+    buffers: list[Any] = []
+    start = pos = first.offset
+    for item in run:
+        if len(buffers) + 4 > IOV_MAX:
+            read_all_at(file.fd, buffers, start, pos - start, short)
+            buffers, start = [], pos
+        if item.offset > pos:  # a gap: bytes of no item read here
+            buffers.append(bytearray(item.offset - pos))
+        buffers += (item.head, item.data, item.tail)
+        pos = item.offset + item.length
+    read_all_at(file.fd, buffers, start, pos - start, short)
+
+
+def _verify(file: DataFile, item: _Direct) -> None:
+    assert item.checksum is not None
+    found = crc(item.tail, crc(item.data, crc(item.head)))
+    expected = item.checksum.blocks[0] if len(item.checksum.blocks) == 1 else -1
+    if found != expected:
+        raise mismatch_error(
+            file.path, item.offset, item.length, item.read_item, 0, expected, found
+        )
+
+
+__all__ = ["direct_runs", "read_direct"]

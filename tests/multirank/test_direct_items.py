@@ -1,0 +1,183 @@
+"""Small ``torch_dist`` items read straight into their destinations
+(:mod:`dist_checkpointing.engine.storage.direct_items`).
+
+Once a layout is known, runs of small items are read with ``preadv`` into their
+destinations, without a window. These tests check that the path is taken, that what it
+loads is bit-exact (also when resharded into views of larger tensors), and that a
+damaged byte anywhere gets exactly the outcome it gets from the usual path: the same
+error, naming the same item, or (checksums off) the same values.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedObject, ShardedTensor
+from dist_checkpointing.engine.storage import direct_items, reader
+from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from tests.support.harness import run_distributed
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float8_e4m3fn]
+# Same length, other shape (and so another data.pkl): both layouts of a length are kept.
+_SHAPES = [(1024,), (32, 32), (8, 128), (700,), (3, 5, 7)]
+
+
+def _values(i: int) -> torch.Tensor:
+    dtype, shape = _DTYPES[i % len(_DTYPES)], _SHAPES[i % len(_SHAPES)]
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 120, shape, generator=g).to(dtype)
+
+
+def _state(count: int, zeros: bool) -> dict[str, Any]:
+    sd: dict[str, Any] = {}
+    for i in range(count):
+        t = _values(i)
+        sd[f"t{i}"] = ShardedTensor.from_rank_offsets(f"t{i}", torch.zeros_like(t) if zeros else t)
+        if i == count // 2:  # a bytes item among the tensors
+            sd["obj"] = ShardedObject("obj", None if zeros else {"step": 7}, (1,), (0,))
+    return sd
+
+
+def _count_direct(monkeypatch_target: Any) -> list[int]:
+    """Counts the items each direct run read (patched in the rank process)."""
+    counts: list[int] = []
+    original = monkeypatch_target._read_run
+
+    def counting(file: Any, run: list[Any]) -> None:
+        counts.append(len(run))
+        original(file, run)
+
+    monkeypatch_target._read_run = counting
+    return counts
+
+
+def _small_windows() -> None:
+    """Windows of 64 KiB: the first window of a file (read the usual way, which learns the
+    layouts) does not hold every item of these small files."""
+    os.environ["DIST_CKPT_READ_WINDOW_BYTES"] = str(64 << 10)
+
+
+def _round_trip(root: str, count: int) -> tuple[int, int]:
+    _small_windows()
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dc.save(_state(count, zeros=False), root, strategy)
+    counts = _count_direct(direct_items)
+    direct = []
+    for _ in range(2):  # the first load learns the layouts, the second reads directly
+        before = sum(counts)
+        loaded = dc.load(_state(count, zeros=True), root)
+        for i in range(count):
+            assert torch.equal(loaded[f"t{i}"].view(torch.uint8), _values(i).view(torch.uint8)), i
+        assert loaded["obj"] == {"step": 7}
+        direct.append(sum(counts) - before)
+    return direct[0], direct[1]
+
+
+def test_small_items_are_read_straight_into_their_destinations(tmp_path: Path) -> None:
+    ((first, second),) = run_distributed(_round_trip, 1, str(tmp_path), 300, timeout=120.0)
+    # The first load learns the layouts in its first window; the second reads all but
+    # the items of that window directly.
+    assert second > 250 and first < second, (first, second)
+
+
+def _reshard(root: str, split_dim: int) -> int:
+    """Saved by 2 ranks as row (or column) blocks, loaded by each rank whole: rows are
+    contiguous views of the destination (direct), columns are not (usual path)."""
+    _small_windows()
+    rank = dist.get_rank()
+    full = {f"w{i}": torch.arange(64 * 48, dtype=torch.float32).view(64, 48) + i for i in range(40)}
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    sd = {
+        k: ShardedTensor.from_rank_offsets(
+            k, v.chunk(2, split_dim)[rank].clone(), (split_dim, rank, 2)
+        )
+        for k, v in full.items()
+    }
+    dc.save(sd, root, strategy)
+    counts = _count_direct(direct_items)
+    for _ in range(2):
+        request = {
+            k: ShardedTensor.from_rank_offsets(k, torch.zeros(64, 48), replica_id=rank)
+            for k in full
+        }
+        loaded = dc.load(request, root)
+        for k, v in full.items():
+            assert torch.equal(loaded[k], v), k
+    return sum(counts)
+
+
+@pytest.mark.parametrize("split_dim", [0, 1], ids=["rows", "columns"])
+def test_resharded_loads_are_bit_exact(tmp_path: Path, split_dim: int) -> None:
+    direct = run_distributed(_reshard, 2, str(tmp_path), split_dim, timeout=120.0)
+    if split_dim == 0:  # rows: contiguous views, read directly
+        assert min(direct) > 20, direct
+    else:  # columns: strided views, read the usual way
+        assert direct == [0, 0]
+
+
+def _outcome(root: str, count: int, verify: bool) -> str:
+    try:
+        loaded = dc.load(_state(count, zeros=True), root, verify_checksums=verify)
+    except Exception as err:  # noqa: BLE001 - the outcome compared
+        return f"{type(err).__name__}: {err}"
+    return "loaded " + " ".join(
+        str(int(loaded[f"t{i}"].view(torch.uint8).to(torch.int64).sum())) for i in range(count)
+    )
+
+
+def _never(*args: Any) -> Any:
+    """A direct_runs that reads nothing: every item goes the usual way."""
+    return lambda items, i, before: i
+
+
+def _damage(root: str, count: int) -> tuple[dict[str, tuple[str, str]], int, int]:
+    """For bytes across the data file: the outcome of a load with and without the direct
+    path, with checksums verified and not."""
+    _small_windows()
+    saved = Path(root) / "saved"
+    saved.mkdir()
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dc.save(_state(count, zeros=False), saved, strategy)
+    assert _outcome(str(saved), count, True).startswith("loaded")  # layouts now known
+    (name,) = [p.name for p in saved.iterdir() if p.suffix == ".distcp"]
+    size = (saved / name).stat().st_size
+    usual = reader.direct_runs
+    counts = _count_direct(direct_items)
+    plain_counts = 0
+    results: dict[str, tuple[str, str]] = {}
+    for k, at in enumerate(range(37, size, size // 23)):
+        copy = Path(root) / f"c{k}"
+        shutil.copytree(saved, copy)
+        data = bytearray((copy / name).read_bytes())
+        data[at] ^= 0x10
+        (copy / name).write_bytes(bytes(data))
+        for verify in (True, False):
+            direct = _outcome(str(copy), count, verify)
+            before = sum(counts)
+            reader.direct_runs = _never
+            try:
+                plain = _outcome(str(copy), count, verify)
+            finally:
+                reader.direct_runs = usual
+            plain_counts += sum(counts) - before
+            results[f"{at} verify={verify}"] = (direct, plain)
+    return results, sum(counts), plain_counts
+
+
+def test_a_damaged_byte_has_the_outcome_of_the_usual_path(tmp_path: Path) -> None:
+    ((results, direct, plain_direct),) = run_distributed(
+        _damage, 1, str(tmp_path), 60, timeout=300.0
+    )
+    assert direct > 1000 and plain_direct == 0, (direct, plain_direct)
+    for where, (direct, plain) in results.items():
+        assert direct == plain, (where, direct, plain)
+        if "verify=True" in where:
+            assert direct.startswith("ChecksumMismatchError"), (where, direct)
