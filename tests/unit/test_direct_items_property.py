@@ -1,0 +1,157 @@
+"""Property: :func:`read_direct` over a file of ``torch.save`` items, intact or with one
+byte flipped anywhere, fills and commits exactly what the bytes and checksums allow.
+
+* intact: every item of the run lands bit-exactly in its destination;
+* checksums verified: the first damaged item is named (key, file, offset) and only the
+  items before it are committed;
+* not verified: items are committed in order, each holding the file's bytes; a damaged
+  record before or after the tensor bytes stops the run at that item (the caller reads
+  it the usual way), and damage to the tensor bytes is loaded as it is.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import crc32c
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from dist_checkpointing.engine.storage import item_reader
+from dist_checkpointing.engine.storage.byte_ranges import DataFile
+from dist_checkpointing.engine.storage.direct_items import read_direct
+from dist_checkpointing.engine.storage.item_checksums import ItemChecksum
+from dist_checkpointing.errors import ChecksumMismatchError
+
+_KINDS = [
+    (torch.float32, (64,)),
+    (torch.float32, (8, 8)),  # same length as (64,), another data.pkl
+    (torch.bfloat16, (3, 5)),
+    (torch.int64, (7,)),
+    (torch.uint8, (100,)),
+]
+
+
+def _tensor(kind: int, seed: int) -> torch.Tensor:
+    dtype, shape = _KINDS[kind]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 200, shape, generator=g).to(dtype)
+
+
+def _saved(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _read_item(key: str, shape: tuple[int, ...]) -> ReadItem:
+    zeros = torch.Size([0] * len(shape))
+    index = MetadataIndex(key, zeros)
+    return ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, torch.Size(shape))
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    kinds=st.lists(st.integers(0, len(_KINDS) - 1), min_size=1, max_size=12),
+    gaps=st.lists(st.integers(0, 40), min_size=12, max_size=12),
+    flip=st.one_of(st.none(), st.floats(0, 1, exclude_max=True)),
+    verify=st.booleans(),
+)
+@example(kinds=[0, 0, 0], gaps=[0] * 12, flip=0.5, verify=True)
+@example(kinds=[3, 3, 3], gaps=[0] * 12, flip=0.02, verify=False)  # a head record
+def test_read_direct_fills_what_the_bytes_allow(
+    tmp_path: Path, kinds: list[int], gaps: list[int], flip: float | None, verify: bool
+) -> None:
+    item_reader._KNOWN.clear()
+    tensors = [_tensor(k, i) for i, k in enumerate(kinds)]
+    blobs = [_saved(t) for t in tensors]
+    for blob in blobs:  # the layouts are known, as after a first window
+        assert item_reader._match_template(lambda o, n, b=blob: b[o : o + n], len(blob))
+    content = bytearray()
+    spans = []
+    for blob, gap in zip(blobs, gaps):
+        content += bytes(gap)
+        spans.append((len(content), len(blob)))
+        content += blob
+    flipped = None if flip is None else int(flip * len(content))
+    if flipped is not None:
+        content[flipped] ^= 0x20
+    path = tmp_path / "data.distcp"
+    path.write_bytes(bytes(content))
+    targets = {f"k{i}": torch.zeros_like(t) for i, t in enumerate(tensors)}
+    items = [
+        (_read_item(f"k{i}", tuple(t.shape)), SimpleNamespace(offset=o, length=n))
+        for i, (t, (o, n)) in enumerate(zip(tensors, spans))
+    ]
+    recorded = {o: ItemChecksum(o, n, [crc32c.crc32c(b)]) for (o, n), b in zip(spans, blobs)}
+    committed: list[str] = []
+
+    def checksum_of(offset: int, length: int) -> Any:
+        return recorded[offset] if verify else None
+
+    def commit(read_item: ReadItem, target: torch.Tensor) -> None:
+        committed.append(read_item.storage_index.fqn)
+
+    damaged = next(
+        (i for i, (o, n) in enumerate(spans) if flipped is not None and o <= flipped < o + n), None
+    )
+    with path.open("rb") as stream:
+        file = DataFile(stream, str(path), len(content), (1 << 20, 1 << 10, 1 << 24))
+        try:
+            end = read_direct(
+                file, items, 0, lambda ri: targets[ri.storage_index.fqn], checksum_of, commit
+            )
+        except ChecksumMismatchError as err:
+            assert verify and damaged is not None
+            assert err.key == f"k{damaged}" and err.file == str(path)
+            assert spans[damaged][0] <= err.offset < sum(spans[damaged])
+            assert committed == [f"k{i}" for i in range(damaged)]
+            return
+    assert committed == [f"k{i}" for i in range(end)]
+    if verify:
+        assert damaged is None or damaged >= end, (damaged, end)
+    for i in range(end):
+        offset, length = spans[i]
+        stored = bytes(content[offset : offset + length])
+        data = targets[f"k{i}"].view(torch.uint8).flatten().numpy().tobytes()
+        start = len(item_reader.known_layout(length).head)  # type: ignore[union-attr]
+        assert data == stored[start : start + len(data)], i  # the file's bytes, as they are
+        if i != damaged:
+            assert torch.equal(targets[f"k{i}"].view(torch.uint8), tensors[i].view(torch.uint8))
+    if damaged is not None and flipped is not None and _in_records(spans[damaged], flipped):
+        assert end <= damaged, (damaged, end)  # its records are not the layout's: stopped
+    if flipped is None:
+        # Intact: the run goes on until an item whose layout is not known alone.
+        lengths = [n for _, n in spans]
+        assert end == len(items) or item_reader.known_layout(lengths[end]) is None
+
+
+def _in_records(span: tuple[int, int], at: int) -> bool:
+    """Whether byte ``at`` of the file is a byte of the item at ``span`` that every item of
+    its layout has: its records before the tensor bytes, or after them except the crcs
+    and serialization id."""
+    offset, length = span
+    layout = item_reader.known_layout(length)
+    if layout is None:
+        return False
+    rel = at - offset
+    if rel < len(layout.head):
+        return True
+    rel -= length - layout.tail_length
+    return any(start <= rel < stop for start, stop, _ in layout.tail_segments)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_layouts() -> Any:
+    item_reader._KNOWN.clear()
+    yield
+    item_reader._KNOWN.clear()
