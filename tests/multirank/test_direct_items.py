@@ -88,6 +88,25 @@ def test_small_items_are_read_straight_into_their_destinations(tmp_path: Path) -
     assert second > 250 and first < second, (first, second)
 
 
+def _first_load(root: str, count: int) -> int:
+    """Default windows (16 MiB, more than the file): the first load of a process reads the
+    usual way only the first item of each layout (which it learns from), and the
+    object; every other item directly."""
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dc.save(_state(count, zeros=False), root, strategy)
+    counts = _count_direct(direct_items)
+    loaded = dc.load(_state(count, zeros=True), root)
+    for i in range(count):
+        assert torch.equal(loaded[f"t{i}"].view(torch.uint8), _values(i).view(torch.uint8)), i
+    return sum(counts)
+
+
+def test_the_first_load_learns_the_layouts_in_a_small_window(tmp_path: Path) -> None:
+    # 600 items of 0.1-8 KiB (five layouts): about 2.5 MiB in one file.
+    (direct,) = run_distributed(_first_load, 1, str(tmp_path), 600, timeout=120.0)
+    assert direct == 600 - 5, direct
+
+
 def _reshard(root: str, split_dim: int) -> int:
     """Saved by 2 ranks as row (or column) blocks, loaded by each rank whole: rows are
     contiguous views of the destination (direct), columns are not (usual path)."""

@@ -57,8 +57,11 @@ class DataFile:
                 f"but the file has {self.size} bytes"
             )
 
-    def load_window(self, items: Sequence[tuple[ReadItem, Any]], i: int) -> int:
+    def load_window(
+        self, items: Sequence[tuple[ReadItem, Any]], i: int, most: int | None = None
+    ) -> int:
         """Fetch items[i:j] of small neighbours with one read (if worth it); return j.
+        ``most``: a smaller window than the file's limit.
 
         Returns ``i + 1`` without reading when items[i] is large (it is read in place).
         """
@@ -66,6 +69,8 @@ class DataFile:
         # READ_WINDOW_BYTES, skipping gaps of at most READ_MAX_GAP_BYTES (see knobs;
         # object stores, where each request costs, use larger limits).
         small, max_gap, window = self.limits
+        if most is not None:
+            window = min(window, most)
         start = items[i][1].offset
         end = start + items[i][1].length
         if items[i][1].length > small:

@@ -126,6 +126,17 @@ def direct_runs(
     return run
 
 
+def window_after_miss(read_item: ReadItem, length: int) -> int | None:
+    """The most bytes the usual path should read in one window from an item at which a
+    direct run could not start: the item alone where the items after it may well go
+    directly (an object among tensors; a tensor of a layout not learnt yet, which the
+    usual path learns from it), else None, the file's window (a destination this path
+    does not take: its neighbours are likely alike)."""
+    if read_item.type != LoadItemType.TENSOR or known_layout(length) is None:
+        return length
+    return None
+
+
 def _plan_run(
     file: DataFile,
     items: Sequence[tuple[ReadItem, Any]],
@@ -216,4 +227,4 @@ def _verify(file: DataFile, item: _Direct) -> None:
         )
 
 
-__all__ = ["direct_runs", "read_direct"]
+__all__ = ["direct_runs", "read_direct", "window_after_miss"]

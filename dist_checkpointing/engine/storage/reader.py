@@ -38,7 +38,7 @@ from ..safety import load_metadata
 from . import region_copy
 from .byte_ranges import DataFile, ItemBytes
 from .checksums import BlockVerifier
-from .direct_items import direct_runs
+from .direct_items import direct_runs, window_after_miss
 from .item_reader import parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
@@ -351,12 +351,14 @@ class FileSystemReader(StorageReader):
             i = 0
             try:
                 while i < len(items):
+                    most = None
                     if direct is not None:
                         j = direct(items, i, verify_previous)
                         if j > i:
                             i = j
                             continue
-                    j = file.load_window(items, i)
+                        most = window_after_miss(items[i][0], items[i][1].length)
+                    j = file.load_window(items, i, most)
                     for read_item, info in items[i:j]:
                         item = current = ItemBytes(file, info.offset, info.length, read_item)
                         item.verifier = self._verifier(relative_path, info.offset, info.length)
