@@ -123,26 +123,36 @@ def test_read_direct_fills_what_the_bytes_allow(
         offset, length = spans[i]
         stored = bytes(content[offset : offset + length])
         data = targets[f"k{i}"].view(torch.uint8).flatten().numpy().tobytes()
-        start = len(item_reader.known_layout(length).head)  # type: ignore[union-attr]
+        start = length - len(data) - _layout(length, tensors[i]).tail_length
         assert data == stored[start : start + len(data)], i  # the file's bytes, as they are
         if i != damaged:
             assert torch.equal(targets[f"k{i}"].view(torch.uint8), tensors[i].view(torch.uint8))
-    if damaged is not None and flipped is not None and _in_records(spans[damaged], flipped):
+    if (
+        damaged is not None
+        and flipped is not None
+        and _in_records(spans[damaged], flipped, tensors[damaged])
+    ):
         assert end <= damaged, (damaged, end)  # its records are not the layout's: stopped
     if flipped is None:
-        # Intact: the run goes on until an item whose layout is not known alone.
-        lengths = [n for _, n in spans]
-        assert end == len(items) or item_reader.known_layout(lengths[end]) is None
+        assert end == len(items), end  # intact, every layout known: one run
 
 
-def _in_records(span: tuple[int, int], at: int) -> bool:
+def _layout(length: int, tensor: torch.Tensor) -> item_reader.KnownLayout:
+    """The layout recognized for ``tensor``'s items of ``length`` bytes."""
+    (layout,) = [
+        k
+        for k in item_reader.known_layouts(length)
+        if k.record.shape == tuple(tensor.shape) and k.record.dtype == tensor.dtype
+    ]
+    return layout
+
+
+def _in_records(span: tuple[int, int], at: int, tensor: torch.Tensor) -> bool:
     """Whether byte ``at`` of the file is a byte of the item at ``span`` that every item of
     its layout has: its records before the tensor bytes, or after them except the crcs
     and serialization id."""
     offset, length = span
-    layout = item_reader.known_layout(length)
-    if layout is None:
-        return False
+    layout = _layout(length, tensor)
     rel = at - offset
     if rel < len(layout.head):
         return True
@@ -155,3 +165,47 @@ def _fresh_layouts() -> Any:
     item_reader._KNOWN.clear()
     yield
     item_reader._KNOWN.clear()
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "strided", "region"])
+def test_a_destination_that_does_not_take_the_bytes_as_they_are_stops_the_run(
+    tmp_path: Path, change: str
+) -> None:
+    """Another dtype of the same size, another shape of the same size, a strided view,
+    a region of the stored tensor: the usual path handles those (it converts or stages)."""
+    stored = _tensor(0, 1)  # float32 (64,)
+    blob = _saved(stored)
+    assert item_reader._match_template(lambda o, n: blob[o : o + n], len(blob))
+    path = tmp_path / "data.distcp"
+    path.write_bytes(blob)
+    target = torch.zeros(64)
+    read_item = _read_item("k0", (64,))
+    if change == "dtype":
+        target = torch.zeros(64, dtype=torch.int32)
+    elif change == "shape":
+        target, read_item = torch.zeros(8, 8), _read_item("k0", (8, 8))
+    elif change == "strided":
+        target = torch.zeros(64, 2)[:, 0]
+    else:
+        read_item = ReadItem(
+            LoadItemType.TENSOR,
+            read_item.dest_index,
+            torch.Size([0]),
+            read_item.storage_index,
+            torch.Size([8]),
+            torch.Size([56]),
+        )
+        target = torch.zeros(56)
+    committed: list[str] = []
+    with path.open("rb") as stream:
+        file = DataFile(stream, str(path), len(blob), (1 << 20, 1 << 10, 1 << 24))
+        end = read_direct(
+            file,
+            [(read_item, SimpleNamespace(offset=0, length=len(blob)))],
+            0,
+            lambda ri: target,
+            lambda o, n: None,
+            lambda ri, t: committed.append(ri.storage_index.fqn),
+        )
+    assert (end, committed) == (0, [])
+    assert not target.any()

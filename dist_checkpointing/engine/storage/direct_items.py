@@ -7,10 +7,11 @@ is read with one ``os.preadv`` per 1,024 buffers, each item's records before its
 bytes into a small buffer, the tensor bytes into the destination tensor itself, and the
 records after them into another small buffer.
 
-The layout is known from the item's length (:func:`.item_reader.known_layout`: an
-earlier item of that length was recognized, and no other layout of that length was
-seen). It is then checked as for any item: the records read must be the layout's,
-else the item is read the usual way (its destination is filled again). The item's
+The layout is expected from the item's length and the request: of the layouts
+recognized in items of that length (:func:`.item_reader.known_layouts`), the one of
+the requested shape and the destination's dtype. It is then checked as for any item:
+the records read must be that layout's, else the item is read the usual way (its
+destination is filled again). The item's
 checksum covers what was read, in order (the records, the tensor bytes, the records
 after), and is checked before its records are, so that damage is reported as damage.
 
@@ -33,7 +34,7 @@ from ...errors import CorruptCheckpointError
 from .byte_ranges import DataFile, mismatch_error
 from .checksums import crc
 from .item_checksums import ItemChecksum
-from .item_reader import KnownLayout, known_layout
+from .item_reader import KnownLayout, known_layouts
 from .positional import IOV_MAX, read_all_at
 from .tensor_bytes import buffer_of
 
@@ -132,7 +133,7 @@ def window_after_miss(read_item: ReadItem, length: int) -> int | None:
     directly (an object among tensors; a tensor of a layout not learnt yet, which the
     usual path learns from it), else None, the file's window (a destination this path
     does not take: its neighbours are likely alike)."""
-    if read_item.type != LoadItemType.TENSOR or known_layout(length) is None:
+    if read_item.type != LoadItemType.TENSOR or not known_layouts(length):
         return length
     return None
 
@@ -157,19 +158,14 @@ def _plan_run(
             or offset + length - start > window
         ):
             break
-        layout = known_layout(length)
-        if layout is None or not _whole(read_item, layout):
+        layouts = known_layouts(length)
+        if not layouts:
             break
         target = resolve(read_item)
         if target.requires_grad:
             target = target.detach()
-        record = layout.record
-        if not (
-            target.is_cpu
-            and target.dtype == record.dtype
-            and target.is_contiguous()
-            and target.nbytes == record.data_length
-        ):
+        layout = next((k for k in layouts if _fits(read_item, k, target)), None)
+        if layout is None:
             break
         checksum = checksum_of(offset, length)
         if checksum is False:
@@ -182,13 +178,18 @@ def _plan_run(
     return run
 
 
-def _whole(read_item: ReadItem, layout: KnownLayout) -> bool:
-    """Whether ``read_item`` asks for the whole stored tensor, which starts its storage."""
+def _fits(read_item: ReadItem, layout: KnownLayout, target: torch.Tensor) -> bool:
+    """Whether ``read_item`` asks for the whole stored tensor of ``layout`` (which starts
+    its storage) and ``target`` takes its bytes as they are."""
     record = layout.record
     return (
         record.storage_offset == 0
         and tuple(read_item.lengths) == record.shape
         and not any(read_item.storage_offsets)
+        and target.is_cpu
+        and target.dtype == record.dtype
+        and target.is_contiguous()
+        and target.nbytes == record.data_length
     )
 
 

@@ -312,11 +312,9 @@ def _known_layout(template: _Template, record: TensorRecord) -> KnownLayout:
     return KnownLayout(template.head, len(tail), tuple(segments), record)
 
 
-def known_layout(length: int) -> KnownLayout | None:
-    """The one layout recognized so far for items of ``length`` bytes (None: none, or
-    several: the bytes must be read to tell)."""
-    known = _KNOWN.get(length)
-    return known[0] if known is not None and len(known) == 1 else None
+def known_layouts(length: int) -> list[KnownLayout]:
+    """The layouts recognized so far in items of ``length`` bytes (a few at most)."""
+    return _KNOWN.get(length, [])
 
 
 def _remember(length: int, layout: KnownLayout) -> None:
