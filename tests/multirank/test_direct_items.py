@@ -107,6 +107,24 @@ def test_the_first_load_learns_the_layouts_in_a_small_window(tmp_path: Path) -> 
     assert direct == 600 - 5, direct
 
 
+def _shared_destination(root: str) -> bool:
+    """Keys 'a' and 'b' saved with different values, loaded into one tensor (as a model
+    with tied weights may request them), after a load that learnt the layouts."""
+    a, b = torch.arange(1024.0), -torch.arange(1024.0)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    sd = {k: ShardedTensor.from_rank_offsets(k, v) for k, v in (("a", a), ("b", b))}
+    dc.save(sd, root, strategy)
+    counts = _count_direct(direct_items)
+    dc.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(1024)) for k in "ab"}, root)
+    shared = torch.zeros(1024)
+    dc.load({k: ShardedTensor.from_rank_offsets(k, shared) for k in "ab"}, root)
+    return sum(counts) > 0 and (torch.equal(shared, a) or torch.equal(shared, b))
+
+
+def test_one_destination_requested_under_two_keys_loads(tmp_path: Path) -> None:
+    assert run_distributed(_shared_destination, 1, str(tmp_path), timeout=120.0) == [True]
+
+
 def _reshard(root: str, split_dim: int) -> int:
     """Saved by 2 ranks as row (or column) blocks, loaded by each rank whole: rows are
     contiguous views of the destination (direct), columns are not (usual path)."""

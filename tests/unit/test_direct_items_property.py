@@ -209,3 +209,35 @@ def test_a_destination_that_does_not_take_the_bytes_as_they_are_stops_the_run(
         )
     assert (end, committed) == (0, [])
     assert not target.any()
+
+
+def test_a_destination_taken_twice_ends_the_run(tmp_path: Path) -> None:
+    """One tensor requested under two keys whose stored values differ: the second read
+    would change the bytes the first item's checksum is computed on, so the run stops
+    before it (the usual path reads it: no false checksum error)."""
+    first, second = _tensor(0, 1), _tensor(0, 2)
+    blobs = [_saved(first), _saved(second)]
+    for blob in blobs:
+        assert item_reader._match_template(lambda o, n, b=blob: b[o : o + n], len(blob))
+    path = tmp_path / "data.distcp"
+    path.write_bytes(b"".join(blobs))
+    shared = torch.zeros(64)
+    spans = [(0, len(blobs[0])), (len(blobs[0]), len(blobs[1]))]
+    recorded = {o: ItemChecksum(o, n, [crc32c.crc32c(b)]) for (o, n), b in zip(spans, blobs)}
+    items = [
+        (_read_item(f"k{i}", (64,)), SimpleNamespace(offset=o, length=n))
+        for i, (o, n) in enumerate(spans)
+    ]
+    committed: list[str] = []
+    with path.open("rb") as stream:
+        file = DataFile(stream, str(path), sum(len(b) for b in blobs), (1 << 20, 1 << 10, 1 << 24))
+        end = read_direct(
+            file,
+            items,
+            0,
+            lambda ri: shared,
+            lambda o, n: recorded[o],
+            lambda ri, t: committed.append(ri.storage_index.fqn),
+        )
+    assert (end, committed) == (1, ["k0"])
+    assert torch.equal(shared, first)

@@ -148,6 +148,10 @@ def _plan_run(
     small, max_gap, window = file.limits
     run: list[_Direct] = []
     end = start = items[i][1].offset
+    # The memory each destination of the run takes, by storage: a destination that
+    # overlaps an earlier one (one tensor requested under two keys) ends the run, since
+    # the later read would change the bytes the earlier item's checksum is computed on.
+    taken: dict[int, list[tuple[int, int]]] = {}
     for read_item, info in items[i:]:
         offset, length = info.offset, info.length
         if (
@@ -165,7 +169,7 @@ def _plan_run(
         if target.requires_grad:
             target = target.detach()
         layout = next((k for k in layouts if _fits(read_item, k, target)), None)
-        if layout is None:
+        if layout is None or _overlaps(taken, target):
             break
         checksum = checksum_of(offset, length)
         if checksum is False:
@@ -176,6 +180,19 @@ def _plan_run(
         run.append(_Direct(read_item, offset, length, layout, target, checksum, head, data, tail))
         end = offset + length
     return run
+
+
+def _overlaps(taken: dict[int, list[tuple[int, int]]], target: torch.Tensor) -> bool:
+    """Whether ``target``'s bytes overlap those of a destination in ``taken`` (else
+    they are added to it)."""
+    lo = target.data_ptr()
+    hi = lo + target.nbytes
+    spans = taken.setdefault(target.untyped_storage().data_ptr(), [])
+    for a, b in spans:
+        if a < hi and lo < b:
+            return True
+    spans.append((lo, hi))
+    return False
 
 
 def _fits(read_item: ReadItem, layout: KnownLayout, target: torch.Tensor) -> bool:
