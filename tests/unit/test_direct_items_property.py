@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from dist_checkpointing.engine.storage import item_reader
+from dist_checkpointing.engine.storage import direct_items, item_reader
 from dist_checkpointing.engine.storage.byte_ranges import DataFile
 from dist_checkpointing.engine.storage.direct_items import read_direct
 from dist_checkpointing.engine.storage.item_checksums import ItemChecksum
@@ -241,3 +241,18 @@ def test_a_destination_taken_twice_ends_the_run(tmp_path: Path) -> None:
         )
     assert (end, committed) == (1, ["k0"])
     assert torch.equal(shared, first)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), max_size=30))
+def test_first_overlap_cuts_before_the_first_destination_that_overlaps(
+    raw: list[tuple[int, int]],
+) -> None:
+    spans = [(lo, lo + n) for lo, n in raw]
+    cut = direct_items._first_overlap(spans)
+
+    def meet(a: tuple[int, int], b: tuple[int, int]) -> bool:
+        return a[0] < b[1] and b[0] < a[1]
+
+    assert not any(meet(spans[i], spans[j]) for j in range(cut) for i in range(j))
+    assert cut == len(spans) or any(meet(spans[i], spans[cut]) for i in range(cut))

@@ -22,6 +22,7 @@ block at most. Anything else stops the run; the caller goes on the usual way.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -148,10 +149,7 @@ def _plan_run(
     small, max_gap, window = file.limits
     run: list[_Direct] = []
     end = start = items[i][1].offset
-    # The memory each destination of the run takes, by storage: a destination that
-    # overlaps an earlier one (one tensor requested under two keys) ends the run, since
-    # the later read would change the bytes the earlier item's checksum is computed on.
-    taken: dict[int, list[tuple[int, int]]] = {}
+    spans: list[tuple[int, int]] = []  # the destinations' memory, see _first_overlap
     for read_item, info in items[i:]:
         offset, length = info.offset, info.length
         if (
@@ -169,7 +167,7 @@ def _plan_run(
         if target.requires_grad:
             target = target.detach()
         layout = next((k for k in layouts if _fits(read_item, k, target)), None)
-        if layout is None or _overlaps(taken, target):
+        if layout is None:
             break
         checksum = checksum_of(offset, length)
         if checksum is False:
@@ -178,21 +176,26 @@ def _plan_run(
         head, tail = bytearray(len(layout.head)), bytearray(layout.tail_length)
         data = buffer_of(target) if target.nbytes else bytearray()
         run.append(_Direct(read_item, offset, length, layout, target, checksum, head, data, tail))
+        address = target.data_ptr()
+        spans.append((address, address + layout.record.data_length))
         end = offset + length
-    return run
+    return run[: _first_overlap(spans)]
 
 
-def _overlaps(taken: dict[int, list[tuple[int, int]]], target: torch.Tensor) -> bool:
-    """Whether ``target``'s bytes overlap those of a destination in ``taken`` (else
-    they are added to it)."""
-    lo = target.data_ptr()
-    hi = lo + target.nbytes
-    spans = taken.setdefault(target.untyped_storage().data_ptr(), [])
-    for a, b in spans:
-        if a < hi and lo < b:
-            return True
-    spans.append((lo, hi))
-    return False
+def _first_overlap(spans: list[tuple[int, int]]) -> int:
+    """How many of the destinations' memory spans ``(start, end)``, in run order, overlap
+    none before them: the run is cut there (one tensor requested under two keys: the
+    later read would change the bytes the earlier item's checksum is computed on)."""
+    ordered = sorted(spans)
+    if all(ordered[k][1] <= ordered[k + 1][0] for k in range(len(ordered) - 1)):
+        return len(spans)  # the common case, checked in C-speed passes
+    seen: list[tuple[int, int]] = []  # sorted
+    for n, (lo, hi) in enumerate(spans):
+        at = bisect.bisect_left(seen, (lo, hi))
+        if (at > 0 and seen[at - 1][1] > lo) or (at < len(seen) and seen[at][0] < hi):
+            return n
+        seen.insert(at, (lo, hi))
+    return len(spans)
 
 
 def _fits(read_item: ReadItem, layout: KnownLayout, target: torch.Tensor) -> bool:
