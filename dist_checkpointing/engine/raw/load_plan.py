@@ -33,6 +33,7 @@ import torch
 from ..._shard_geometry import box_intersection, box_slices, flat_range_rows
 from ...errors import CheckpointingException, CorruptCheckpointError, ShapeMismatchError
 from ...mapping import ShardedObject, ShardedTensor
+from ..storage.overlaps import overlapping
 from ..storage.staging_pool import StagingPool, shared_pool
 from ..storage.tensor_bytes import buffer_of
 from .index import DTYPES, ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
@@ -67,6 +68,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src.reshape(dst.shape))
 
 
+def _copy_bytes(address: int, src: torch.Tensor) -> None:
+    ctypes.memmove(address, src.data_ptr(), src.numel())
+
+
 class LoadPlanner:
     """Builds the :class:`LoadPlan` of one rank's request (see the module docstring)."""
 
@@ -83,10 +88,25 @@ class LoadPlanner:
         self.plan = LoadPlan()
         self._blocks: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._block_copies: list[Callable[[], None]] = []
+        # Reads straight into a request's memory: addresses, bytes, indexes in plan.reads.
+        self._direct: tuple[list[int], list[int], list[int]] = ([], [], [])
 
     def finish(self) -> LoadPlan:
+        self._isolate_shared()
         self.plan.copies = self._block_copies + self.plan.copies
         return self.plan
+
+    def _isolate_shared(self) -> None:
+        """Give a private buffer (copied over once every read is done) to each read into
+        a request's memory that overlaps another's (one tensor requested under two keys;
+        see :mod:`..storage.overlaps`)."""
+        starts, lengths, reads = self._direct
+        self._direct = ([], [], [])
+        for n in overlapping(starts, lengths):
+            private = torch.empty(lengths[n], dtype=torch.uint8)
+            read = self.plan.reads[reads[n]]
+            read.dest = (ctypes.c_char * lengths[n]).from_address(private.data_ptr())
+            self.plan.copies.append(partial(_copy_bytes, starts[n], private))
 
     # ------------------------------------------------------------------ requests
 
@@ -151,6 +171,11 @@ class LoadPlanner:
             dest = torch.empty(data.shape, dtype=dtype)
             self.plan.copies.append(partial(_copy, data, dest))
         buf = (ctypes.c_char * length).from_address(dest.data_ptr()) if length else b""
+        if length and dest is data:  # straight into the request: see _isolate_shared
+            starts, lengths, reads = self._direct
+            starts.append(dest.data_ptr())
+            lengths.append(length)
+            reads.append(len(self.plan.reads))
         self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
 
     def _streams(self, length: int) -> bool:

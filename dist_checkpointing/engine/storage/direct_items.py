@@ -22,7 +22,6 @@ block at most. Anything else stops the run; the caller goes on the usual way.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from .byte_ranges import DataFile, mismatch_error
 from .checksums import crc
 from .item_checksums import ItemChecksum
 from .item_reader import KnownLayout, known_layouts
+from .overlaps import overlapping
 from .positional import IOV_MAX, read_all_at
 from .tensor_bytes import buffer_of
 
@@ -149,7 +149,8 @@ def _plan_run(
     small, max_gap, window = file.limits
     run: list[_Direct] = []
     end = start = items[i][1].offset
-    spans: list[tuple[int, int]] = []  # the destinations' memory, see _first_overlap
+    starts: list[int] = []  # the destinations' memory (see .overlaps)
+    lengths: list[int] = []
     for read_item, info in items[i:]:
         offset, length = info.offset, info.length
         if (
@@ -176,26 +177,14 @@ def _plan_run(
         head, tail = bytearray(len(layout.head)), bytearray(layout.tail_length)
         data = buffer_of(target) if target.nbytes else bytearray()
         run.append(_Direct(read_item, offset, length, layout, target, checksum, head, data, tail))
-        address = target.data_ptr()
-        spans.append((address, address + layout.record.data_length))
+        starts.append(target.data_ptr())
+        lengths.append(layout.record.data_length)
         end = offset + length
-    return run[: _first_overlap(spans)]
-
-
-def _first_overlap(spans: list[tuple[int, int]]) -> int:
-    """How many of the destinations' memory spans ``(start, end)``, in run order, overlap
-    none before them: the run is cut there (one tensor requested under two keys: the
-    later read would change the bytes the earlier item's checksum is computed on)."""
-    ordered = sorted(spans)
-    if all(ordered[k][1] <= ordered[k + 1][0] for k in range(len(ordered) - 1)):
-        return len(spans)  # the common case, checked in C-speed passes
-    seen: list[tuple[int, int]] = []  # sorted
-    for n, (lo, hi) in enumerate(spans):
-        at = bisect.bisect_left(seen, (lo, hi))
-        if (at > 0 and seen[at - 1][1] > lo) or (at < len(seen) and seen[at][0] < hi):
-            return n
-        seen.insert(at, (lo, hi))
-    return len(spans)
+    # A destination that overlaps an earlier one (one tensor requested under two keys)
+    # ends the run: the later read would change the bytes the earlier item's checksum
+    # is computed on.
+    shared = overlapping(starts, lengths)
+    return run[: shared[0]] if shared else run
 
 
 def _fits(read_item: ReadItem, layout: KnownLayout, target: torch.Tensor) -> bool:

@@ -21,7 +21,8 @@ Load (``MCoreLoadPlanner``), call sequence on every rank:
        maps each request onto the stored chunks;
     3. the storage reader calls ``resolve_tensor`` / ``commit_tensor`` for each
        tensor read item and ``load_bytes`` for each object;
-    4. ``check_complete()``: every request was filled.
+    4. ``check_complete()``: every request was filled; the buffers of destinations
+       requested under several keys are copied into them.
 
 Where each read lands (staging buffers for destinations that cannot take the
 stored bytes directly, assembling reformulated blocks) is planned by
@@ -413,6 +414,7 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
                     self.layout.plan_tensor(key, sh)
                     if sh.allow_shape_mismatch:
                         mismatch_allowed.add(key)
+        self.layout.isolate_shared()
         items: list[ReadItem] = [
             ReadItem(
                 type=LoadItemType.BYTE_IO,
@@ -462,10 +464,12 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
             sh.data = payload
 
     def check_complete(self) -> None:
-        """Raise if some staging buffer did not receive all its reads."""
+        """Raise if some staging buffer did not receive all its reads; else copy the
+        buffers of destinations requested under several keys into them."""
         incomplete = self.layout.incomplete()
         if incomplete:
             raise CorruptCheckpointError(
                 f"{len(incomplete)} staging buffer(s) were not completely read; "
                 "the checkpoint's data files do not match its metadata"
             )
+        self.layout.finish_shared()

@@ -10,6 +10,7 @@ stored blocks they overlap, each block read once per rank and load.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..._shard_geometry import box_intersection, box_slices
 from ...engine.storage.metadata_parts import SharedParts, index_at
+from ...engine.storage.overlaps import overlapping
 from ...errors import CorruptCheckpointError
 from ...mapping import ShardedTensor
 from .layout import (
@@ -58,6 +60,10 @@ class _Staging:
 # Where the read items of one (key, chunk list index) land: the destination itself
 # (most reads: no object of our own per tensor), or a staging buffer.
 _Target: TypeAlias = torch.Tensor | _Staging
+
+
+def _copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
+    dest.copy_(source)
 
 
 def _contiguous_dest(dest: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -116,10 +122,10 @@ class ReadLayout:
     cannot take the stored bytes directly.
 
     Call sequence (one load, one rank): :meth:`plan_tensor` for every requested
-    ShardedTensor; then, per key, :meth:`count_reads` for the read items made from
-    ``chunks[key]``; :meth:`finish_ready` once planning is done; then
-    :meth:`target` / :meth:`finish_staging` as the reader fills and commits
-    items; :meth:`incomplete` at the end.
+    ShardedTensor; :meth:`isolate_shared`; then, per key, :meth:`count_reads` for the
+    read items made from ``chunks[key]``; :meth:`finish_ready` once planning is done;
+    then :meth:`target` / :meth:`finish_staging` as the reader fills and commits
+    items; :meth:`incomplete` and :meth:`finish_shared` at the end.
     """
 
     def __init__(self, metadata: Metadata) -> None:
@@ -129,6 +135,9 @@ class ReadLayout:
         self.stagings: list[_Staging] = []
         self._zero_fill = False
         self._parts = SharedParts(max_shapes=64)  # equal request shapes and chunks: one object
+        # Destinations read into directly: addresses, bytes, (key, index in chunks[key]).
+        self._direct_spans: tuple[list[int], list[int], list[tuple[str, int]]] = ([], [], [])
+        self._after_reads: list[Callable[[], None]] = []  # see isolate_shared
 
     def finish_ready(self) -> None:
         """Run the copy-backs of staging buffers that need no read."""
@@ -149,13 +158,40 @@ class ReadLayout:
 
     def _add_chunk(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], target: _Target
-    ) -> None:
+    ) -> int:
+        """Plan ``target`` for the box; returns its index in ``chunks[key]``."""
         chunk = self._parts.chunk(offsets, sizes)  # equal requests: one object
         planned = self.chunks.get(key)
         if planned is None:
             self.chunks[key] = [(chunk, target)]  # one slot, not append's four
-        else:
-            planned.append((chunk, target))
+            return 0
+        planned.append((chunk, target))
+        return len(planned) - 1
+
+    def isolate_shared(self) -> None:
+        """Give a staging buffer to each destination read into directly whose memory
+        overlaps another's (one tensor requested under two keys; see
+        :mod:`~dist_checkpointing.engine.storage.overlaps`). Call once every tensor is
+        planned, before the reads are counted."""
+        starts, lengths, refs = self._direct_spans
+        self._direct_spans = ([], [], [])
+        for n in overlapping(starts, lengths):
+            key, idx = refs[n]
+            chunk, view = self.chunks[key][idx]
+            assert isinstance(view, torch.Tensor)
+            staging = _Staging(view.clone())  # what no read covers: as the destination held it
+            self.stagings.append(staging)
+            # Copied over once every read is verified (finish_shared), not at its
+            # commit: the memory may still be read into and verified for the other key.
+            self._after_reads.append(functools.partial(_copy_into, view, staging.buffer))
+            self.chunks[key][idx] = (chunk, staging)
+
+    def finish_shared(self) -> None:
+        """Copy the buffers :meth:`isolate_shared` gave into their destinations (call once
+        every read is done and verified)."""
+        copies, self._after_reads = self._after_reads, []
+        for copy in copies:
+            copy()
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Zeros where a request may extend past the stored tensor: what no read
@@ -204,7 +240,12 @@ class ReadLayout:
         else:
             view = data.view(sizes) if data.is_contiguous() else None
         if view is not None and _contiguous_dest(view, stored_dtype):
-            self._add_chunk(key, offsets, sizes, view)
+            idx = self._add_chunk(key, offsets, sizes, view)
+            if view.nbytes:
+                starts, lengths, refs = self._direct_spans
+                starts.append(view.data_ptr())
+                lengths.append(view.nbytes)
+                refs.append((key, idx))
             return
         staging = self._new_staging(sizes, stored_dtype)
         if self._zero_fill:
