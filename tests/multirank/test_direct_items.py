@@ -101,6 +101,27 @@ def _first_load(root: str, count: int) -> int:
     return sum(counts)
 
 
+def _first_load_same_length(root: str, count: int) -> int:
+    """As _first_load, with two layouts of one length (float32 (1024,) and (32, 32)):
+    the first item of the second is read alone too, not with a whole window."""
+    shapes = [(1024,), (32, 32)]
+    values = {f"s{i}": torch.full(shapes[i % 2], float(i)) for i in range(count)}
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dc.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in values.items()}, root, strategy)
+    counts = _count_direct(direct_items)
+    request = {
+        k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in values.items()
+    }
+    loaded = dc.load(request, root)
+    assert all(torch.equal(loaded[k], v) for k, v in values.items())
+    return sum(counts)
+
+
+def test_two_layouts_of_one_length_are_both_learnt_from_one_item(tmp_path: Path) -> None:
+    (direct,) = run_distributed(_first_load_same_length, 1, str(tmp_path), 200, timeout=120.0)
+    assert direct == 200 - 2, direct
+
+
 def test_the_first_load_learns_the_layouts_in_a_small_window(tmp_path: Path) -> None:
     # 600 items of 0.1-8 KiB (five layouts): about 2.5 MiB in one file.
     (direct,) = run_distributed(_first_load, 1, str(tmp_path), 600, timeout=120.0)

@@ -134,8 +134,11 @@ def window_after_miss(read_item: ReadItem, length: int) -> int | None:
     directly (an object among tensors; a tensor of a layout not learnt yet, which the
     usual path learns from it), else None, the file's window (a destination this path
     does not take: its neighbours are likely alike)."""
-    if read_item.type != LoadItemType.TENSOR or not known_layouts(length):
+    if read_item.type != LoadItemType.TENSOR:
         return length
+    shape = tuple(read_item.lengths)
+    if not any(k.record.shape == shape for k in known_layouts(length)):
+        return length  # not learnt yet (none of this length, or of another shape)
     return None
 
 
