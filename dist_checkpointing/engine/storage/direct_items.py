@@ -57,8 +57,8 @@ class _Direct:
 
 # Resolves a read item to the tensor its bytes are read into.
 Resolve = Callable[[ReadItem], torch.Tensor]
-# The recorded checksum of the item at an offset (None: not verified), or False: the
-# record does not fit this path (the usual path reports it).
+# The recorded checksum of the item at an offset, of that length (None: not verified),
+# or False: no such record (the usual path reports it).
 ChecksumOf = Callable[[int, int], "ItemChecksum | None | bool"]
 
 
@@ -110,8 +110,8 @@ def direct_runs(
         if checksums is None:
             return None
         checksum = checksums(offset)
-        if checksum is None or checksum.length != length or len(checksum.blocks) != 1:
-            return False  # the usual path reports it, or checks its blocks
+        if checksum is None or checksum.length != length:
+            return False  # the usual path reports it
         return checksum
 
     def resolve(read_item: ReadItem) -> torch.Tensor:
@@ -177,6 +177,8 @@ def _plan_run(
         if checksum is False:
             break
         assert checksum is None or isinstance(checksum, ItemChecksum)
+        if checksum is not None and len(checksum.blocks) != 1:
+            break  # several blocks: the usual path checks them
         head, tail = bytearray(len(layout.head)), bytearray(layout.tail_length)
         data = buffer_of(target) if target.nbytes else bytearray()
         run.append(_Direct(read_item, offset, length, layout, target, checksum, head, data, tail))
@@ -233,7 +235,7 @@ def _read_run(file: DataFile, run: list[_Direct]) -> None:
 def _verify(file: DataFile, item: _Direct) -> None:
     assert item.checksum is not None
     found = crc(item.tail, crc(item.data, crc(item.head)))
-    expected = item.checksum.blocks[0] if len(item.checksum.blocks) == 1 else -1
+    expected = item.checksum.blocks[0]  # one block: see _plan_run
     if found != expected:
         raise mismatch_error(
             file.path, item.offset, item.length, item.read_item, 0, expected, found

@@ -346,7 +346,7 @@ def _match_template(read_at: ReadAt, length: int, defer_tail: bool = False) -> T
     if _NATIVE_ORDER != b"little":  # the template says "little"
         return None
     head = read_at(0, min(length, _HEAD_BYTES))
-    for known in _KNOWN.get(length, ()):
+    for known in known_layouts(length):
         if bytes(head[: len(known.head)]) == known.head:
             return _with_tail(known, read_at, length, defer_tail)
     if len(head) < _LOCAL.size + len(_PKL_NAME) or bytes(head[30:46]) != _PKL_NAME:

@@ -58,9 +58,7 @@ def write_all_at(fd: int, buffers: list[Any], offset: int, nbytes: int = 0) -> N
     it takes them all (``nbytes``, their total, known: no view of each buffer is made);
     else, or after a short write, all of them again through :func:`vectored_all`
     (positional writes: rewriting is harmless)."""
-    if nbytes and len(buffers) <= IOV_MAX and os.pwritev(fd, buffers, offset) == nbytes:
-        return
-    vectored_all(os.pwritev, fd, buffers, offset, _short_write)
+    _all_at(os.pwritev, fd, buffers, offset, nbytes, _short_write)
 
 
 def read_all_at(
@@ -69,9 +67,22 @@ def read_all_at(
     """``buffers`` filled back to back from ``offset`` of ``fd``: one ``os.preadv`` where
     it fills them all (``nbytes``, their total); else, or after a short read, all of them
     again through :func:`vectored_all` (positional reads: rereading is harmless)."""
-    if len(buffers) <= IOV_MAX and os.preadv(fd, buffers, offset) == nbytes:
+    _all_at(os.preadv, fd, buffers, offset, nbytes, on_short)
+
+
+def _all_at(
+    call: Callable[[int, list[Any], int], int],
+    fd: int,
+    buffers: list[Any],
+    offset: int,
+    nbytes: int,
+    on_short: Callable[[int], Exception],
+) -> None:
+    """One ``call`` over ``buffers`` where it moves all ``nbytes`` (0: not known), else
+    :func:`vectored_all` from the start."""
+    if nbytes and len(buffers) <= IOV_MAX and call(fd, buffers, offset) == nbytes:
         return
-    vectored_all(os.preadv, fd, buffers, offset, on_short)
+    vectored_all(call, fd, buffers, offset, on_short)
 
 
 def _short_write(offset: int) -> Exception:
