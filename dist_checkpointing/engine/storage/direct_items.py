@@ -180,8 +180,11 @@ def _plan_run(
         if checksum is not None and len(checksum.blocks) != 1:
             break  # several blocks: the usual path checks them
         head, tail = bytearray(len(layout.head)), bytearray(layout.tail_length)
-        data = buffer_of(target) if target.nbytes else bytearray()
-        run.append(_Direct(read_item, offset, length, layout, target, checksum, head, data, tail))
+        run.append(
+            _Direct(
+                read_item, offset, length, layout, target, checksum, head, buffer_of(target), tail
+            )
+        )
         starts.append(target.data_ptr())
         lengths.append(layout.record.data_length)
         end = offset + length

@@ -27,12 +27,13 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def buffer_of(data: Any) -> Any:
     """A buffer over the bytes of ``data`` (a contiguous CPU tensor, or bytes) without a
-    copy; the caller keeps ``data`` alive while the buffer is used."""
+    copy; the caller keeps ``data`` alive while the buffer is used. Writable for a
+    tensor (an empty one gets an empty ``bytearray``), so reads may land in it."""
     if not isinstance(data, torch.Tensor):
         return data
     n = data.numel() * data.element_size()
     if n == 0:
-        return b""
+        return bytearray()
     return (ctypes.c_char * n).from_address(data.data_ptr())
 
 
