@@ -203,9 +203,13 @@ def sharded_state_dict(
     }
 
 
-def save_specs(ckpt_dir: str | Path, specs: Sequence[TensorSpec]) -> None:
-    """Rank function: save this rank's shards of ``specs``."""
-    dcp.save(sharded_state_dict(specs, dist.get_rank()), ckpt_dir)
+def save_specs(
+    ckpt_dir: str | Path, specs: Sequence[TensorSpec], backend: str | None = None
+) -> None:
+    """Rank function: save this rank's shards of ``specs`` (in layout ``(backend, 1)``
+    where given, else the default one)."""
+    layout = None if backend is None else (backend, 1)
+    dcp.save(sharded_state_dict(specs, dist.get_rank()), ckpt_dir, layout)
 
 
 def load_specs(ckpt_dir: str | Path, specs: Sequence[TensorSpec]) -> bytes:

@@ -7,12 +7,16 @@ is matched against the stored entries of its key in the index:
   straight into the destination tensor's memory;
 - otherwise the request becomes a *target box* (the block, or the rows of the
   block a flat range touches), filled from every stored entry whose box meets
-  it. A stored grid chunk contributes the rows that meet the box (read straight
-  into the destination when those rows are one contiguous run of it, else into
-  a staging buffer); a stored flat range contributes through its whole block,
-  assembled once per load from the block's flat entries (each read straight
-  into its slice of the block). The box overlaps are then copied with torch
-  slicing, and a staging box is copied into the destination last.
+  it. A stored grid chunk contributes the rows that meet the box: read straight
+  into the destination when those rows are one contiguous run of it, else a
+  *staged* read (:class:`~.reader.Staged`): the reader lands the rows in its
+  reused staging memory and copies what the box wants out of them as soon as
+  they are verified, so a resharding load holds a bounded amount of staging
+  memory, not a copy of everything it reads. A stored flat range contributes
+  through its whole block, assembled once per load from the block's flat
+  entries (each read straight into its slice of the block), copied once every
+  read is done; a staging box (a destination of another dtype, or not
+  contiguous) is copied into the destination last.
 
 Reads that cover part of an entry start and end on checksum block boundaries
 (the extra bytes are at most one block on each side), so the reader can verify
@@ -37,7 +41,7 @@ from ..storage.overlaps import overlapping
 from ..storage.staging_pool import StagingPool, shared_pool
 from ..storage.tensor_bytes import buffer_of
 from .index import DTYPES, ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
-from .reader import Read
+from .reader import Read, Staged
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -88,8 +92,11 @@ class LoadPlanner:
         self.plan = LoadPlan()
         self._blocks: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._block_copies: list[Callable[[], None]] = []
-        # Reads straight into a request's memory: addresses, bytes, indexes in plan.reads.
-        self._direct: tuple[list[int], list[int], list[int]] = ([], [], [])
+        # The reads that land in a request's memory, a group per request: its memory's
+        # address and bytes, the group's indexes in plan.reads (see _isolate_shared).
+        self._groups: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
+        # While a request is planned from boxes into its own memory: the reads landing there.
+        self._into_request: list[int] | None = None
 
     def finish(self) -> LoadPlan:
         self._isolate_shared()
@@ -97,16 +104,25 @@ class LoadPlanner:
         return self.plan
 
     def _isolate_shared(self) -> None:
-        """Give a private buffer (copied over once every read is done) to each read into
-        a request's memory that overlaps another's (one tensor requested under two keys;
-        see :mod:`..storage.overlaps`)."""
-        starts, lengths, reads = self._direct
-        self._direct = ([], [], [])
+        """Where a request's memory overlaps another's (one tensor requested under two
+        keys; see :mod:`..storage.overlaps`), its reads land elsewhere and are copied over
+        once every read is done: a read straight into that memory gets a private buffer, a
+        staged read a staging buffer of its own. The other requests' memories are then
+        pairwise disjoint, so a staged read's copy, which runs as soon as its bytes are
+        verified, changes no bytes that another read is still verifying."""
+        starts, lengths, groups = self._groups
+        self._groups = ([], [], [])
+        reads = self.plan.reads
         for n in overlapping(starts, lengths):
-            private = torch.empty(lengths[n], dtype=torch.uint8)
-            read = self.plan.reads[reads[n]]
-            read.dest = (ctypes.c_char * lengths[n]).from_address(private.data_ptr())
-            self.plan.copies.append(partial(_copy_bytes, starts[n], private))
+            for i in groups[n]:
+                read = reads[i]
+                if read.stage is not None:
+                    self.plan.copies.append(read.stage.own_buffer(read))
+                    continue
+                private = torch.empty(read.length, dtype=torch.uint8)
+                address = ctypes.addressof(read.dest)
+                read.dest = buffer_of(private)
+                self.plan.copies.append(partial(_copy_bytes, address, private))
 
     # ------------------------------------------------------------------ requests
 
@@ -172,10 +188,10 @@ class LoadPlanner:
             self.plan.copies.append(partial(_copy, data, dest))
         buf = (ctypes.c_char * length).from_address(dest.data_ptr()) if length else b""
         if length and dest is data:  # straight into the request: see _isolate_shared
-            starts, lengths, reads = self._direct
+            starts, lengths, groups = self._groups
             starts.append(dest.data_ptr())
             lengths.append(length)
-            reads.append(len(self.plan.reads))
+            groups.append([len(self.plan.reads)])
         self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
 
     def _streams(self, length: int) -> bool:
@@ -205,9 +221,12 @@ class LoadPlanner:
         dtype = self.index.dtype_of(rows[0])
         fr = sh.flattened_range
         finish: Callable[[torch.Tensor], None] | None = None
+        into_request = None
         if fr is None:
             box: Box = (offset, block)
             out = _host_view(data, dtype, block)
+            if out is not None and out.nbytes:
+                into_request = self._into_request = []
             if out is None:
                 out = self._alloc(block, dtype, sh.allow_shape_mismatch)
 
@@ -224,8 +243,16 @@ class LoadPlanner:
 
         covered = 0
         seen: set[tuple[int, ...]] = set()  # flat blocks already used (one per block)
-        for row in rows:
-            covered += self._fill_from(row, sh.key, box, out, seen)
+        try:
+            for row in rows:
+                covered += self._fill_from(row, sh.key, box, out, seen)
+        finally:
+            self._into_request = None
+        if into_request:  # one group: the request's memory (see _isolate_shared)
+            starts, lengths, groups = self._groups
+            starts.append(out.data_ptr())
+            lengths.append(out.nbytes)
+            groups.append(into_request)
         if covered != math.prod(box[1]) and not sh.allow_shape_mismatch:
             raise CorruptCheckpointError(
                 f"'{sh.key}': the checkpoint's chunks cover {covered} of the "
@@ -283,24 +310,29 @@ class LoadPlanner:
             row_bytes = math.prod(s[1:]) * itemsize
         want_lo, want_hi = r0 * row_bytes, r1 * row_bytes
         whole = want_lo == 0 and want_hi == length
+        into = self._into_request
         if whole and tuple(size[1:]) == tuple(s[1:]) and dst.is_contiguous() and dst.dtype == dtype:
+            if into is not None and length:
+                into.append(len(self.plan.reads))
             self.plan.reads.append(self._read(row, 0, length, buffer_of(dst)))
             return
         lo_b, hi_b = self._block_bounds(want_lo, want_hi, length)
         # The block bounds need not fall on elements (any block size is valid): lead the
-        # buffer with the bytes that put the wanted rows on an element boundary.
+        # staging buffer with the bytes that put the wanted rows on an element boundary.
         lead = -(want_lo - lo_b) % itemsize
-        buf = torch.empty(lead + hi_b - lo_b, dtype=torch.uint8)
-        self.plan.reads.append(self._read(row, lo_b, hi_b - lo_b, buffer_of(buf[lead:])))
         rows_shape = (r1 - r0,) + tuple(s[1:])
         sub = tuple(slice(a - b, a - b + n) for a, b, n in zip(lo[1:], o[1:], size[1:]))
         at = lead + want_lo - lo_b
 
-        def copy() -> None:
+        def deliver(buf: torch.Tensor) -> None:
             part = buf[at : at + want_hi - want_lo].view(dtype).view(rows_shape)
             dst.copy_(part[(slice(None),) + sub] if s else part.reshape(dst.shape))
 
-        self.plan.copies.append(copy)
+        read = self._read(row, lo_b, hi_b - lo_b, None)
+        read.stage = Staged(lead, deliver)
+        if into is not None:
+            into.append(len(self.plan.reads))
+        self.plan.reads.append(read)
 
     def _block_bounds(self, lo: int, hi: int, length: int) -> tuple[int, int]:
         """``[lo, hi)`` widened to whole checksum blocks of an entry of ``length`` bytes."""

@@ -16,10 +16,13 @@ file and offset).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
+
+import torch
 
 from ...errors import ChecksumMismatchError, CorruptCheckpointError
 from .. import knobs
@@ -28,6 +31,7 @@ from ..storage.checksums import block_crcs, crc, crc_each, hashing_thread
 from ..storage.location import CheckpointDir
 from ..storage.positional import IOV_MAX, descriptor, vectored_all
 from ..storage.read_spans import reading_threads, span_bytes, split_spans
+from ..storage.tensor_bytes import buffer_of
 from .index import RawIndex
 
 # Verified reads are cut at about what a core's cache holds, so that an inline CRC reads
@@ -38,8 +42,29 @@ _THREAD_PIECE = 8 << 20  # the pieces of a large item checked on the hashing thr
 
 
 @dataclass
+class Staged:
+    """How a staged read is delivered: its bytes land ``lead`` bytes into a staging
+    buffer (the lead puts the wanted elements on an element boundary), and, once they
+    are verified, ``deliver(buffer)`` copies what is wanted out of that buffer (a
+    ``uint8`` tensor of ``lead`` + the read's length)."""
+
+    lead: int
+    deliver: Callable[[torch.Tensor], None]
+
+    def own_buffer(self, read: Read) -> Callable[[], None]:
+        """Give ``read`` a staging buffer of its own (it is then read like any other);
+        returns the copy to run once every read is done."""
+        buf = torch.empty(self.lead + read.length, dtype=torch.uint8)
+        read.dest = buffer_of(buf[self.lead :])
+        read.stage = None
+        return partial(self.deliver, buf)
+
+
+@dataclass
 class Read:
-    """``length`` bytes of entry ``row`` from ``entry_offset`` into buffer ``dest``.
+    """``length`` bytes of entry ``row`` from ``entry_offset`` into buffer ``dest``, or,
+    for a staged read (``stage`` set, ``dest`` None until then), into staging memory
+    the reader gives it.
 
     ``entry_offset`` is a multiple of the checksum block size and the read ends at a
     block boundary or at the entry's end, so each block it covers is verified whole.
@@ -51,6 +76,52 @@ class Read:
     dest: Any
     at: int  # the offset in the data file: the entry's offset + entry_offset
     verified: bool = False
+    stage: Staged | None = None
+
+
+class _Staging:
+    """The staging memory of one run of reads (one thread): a buffer that the run's
+    staged reads share, those of one batch side by side, reused once they are delivered.
+    It grows to at most ``cap`` bytes (the ``STAGING_BUFFER_BYTES`` knob); a staged read
+    larger than that gets a buffer of its own, dropped once it is delivered."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        self.used = 0
+        self.landed: list[tuple[Read, torch.Tensor]] = []
+
+    def land(self, r: Read) -> bool:
+        """Give staged read ``r`` its place (its ``dest``); False where it does not fit
+        beside those landed already (deliver them first)."""
+        assert r.stage is not None
+        n = r.stage.lead + r.length
+        at = self.used
+        if at + n > len(self.buf):
+            if at:
+                return False
+            if n > self.cap:
+                self._hold(r, torch.empty(n, dtype=torch.uint8))
+                return True
+            self.buf = torch.empty(min(self.cap, max(n, 2 * len(self.buf))), dtype=torch.uint8)
+        self.used = -(-(at + n) // 64) * 64  # the next place starts on a cache line
+        self._hold(r, self.buf[at : at + n])
+        return True
+
+    def _hold(self, r: Read, region: torch.Tensor) -> None:
+        assert r.stage is not None
+        r.dest = buffer_of(region[r.stage.lead :])
+        self.landed.append((r, region))
+
+    def deliver(self) -> None:
+        """Copy out of every staged read landed (their bytes were verified); the
+        memory is free again."""
+        for r, region in self.landed:
+            assert r.stage is not None
+            r.stage.deliver(region)
+            r.dest = None
+        self.landed.clear()
+        self.used = 0
 
 
 def _read_all(fd: int, buffers: list[Any], offset: int, describe: Any) -> None:
@@ -151,7 +222,7 @@ class RawReader:
         piece = max(bb, target // bb * bb)
         out: list[Read] = []
         for r in reads:
-            if r.length <= target:
+            if r.length <= target or r.stage is not None:  # a staged read is delivered whole
                 out.append(r)
                 continue
             view = memoryview(r.dest).cast("B")
@@ -208,15 +279,11 @@ class RawReader:
             else:
                 checks.append(hasher.submit(fn, *args))
 
-        def describe() -> str:
-            return str(path)
-
+        describe = partial(str, path)
         fd = descriptor(stream)
+        staging = _Staging(knobs.STAGING_BUFFER_BYTES.get())
         if fd is None:  # a stream (object storage): read in order, then checked
-            for r in reads:
-                _read_stream(stream, r.dest, r.at, describe)
-            if self.verify:
-                self._check_all(reads, path)
+            self._stream_reads(stream, path, reads, staging, describe)
             return checks
         batch: list[Any] = []
         landed: list[Read] = []
@@ -226,6 +293,7 @@ class RawReader:
             _read_all(fd, batch, start, describe)
             if self.verify:
                 inline(self._check_all, landed, path)
+            staging.deliver()
             batch.clear()
             landed.clear()
 
@@ -235,7 +303,12 @@ class RawReader:
             if verify and r.length > _CACHE_BYTES:  # verified piece by piece
                 if batch:
                     flush()
-                self._read_large(fd, r, path, describe, on_thread, piece)
+                if r.stage is None:
+                    self._read_large(fd, r, path, describe, on_thread, piece)
+                else:  # checked here, then delivered
+                    staging.land(r)
+                    self._read_large(fd, r, path, describe, inline, _CACHE_BYTES)
+                    staging.deliver()
                 continue
             if batch and (
                 at < pos
@@ -244,6 +317,9 @@ class RawReader:
                 or (verify and pos - start >= _CACHE_BYTES)
             ):
                 flush()
+            if r.stage is not None and not staging.land(r):
+                flush()  # delivers the staged reads before it: room for this one
+                staging.land(r)
             if not batch:
                 start = pos = at
             if at > pos:
@@ -255,6 +331,25 @@ class RawReader:
         if batch:
             flush()
         return checks
+
+    def _stream_reads(
+        self, stream: ReadStream, path: str, reads: list[Read], staging: _Staging, describe: Any
+    ) -> None:
+        """Read ``reads`` in order from a stream; each staged read is checked (with the
+        reads before it, in order) and delivered as soon as it is read."""
+        unchecked: list[Read] = []
+        for r in reads:
+            if r.stage is not None:
+                staging.land(r)
+            _read_stream(stream, r.dest, r.at, describe)
+            unchecked.append(r)
+            if r.stage is not None:
+                if self.verify:
+                    self._check_all(unchecked, path)
+                unchecked.clear()
+                staging.deliver()
+        if self.verify and unchecked:
+            self._check_all(unchecked, path)
 
     def _read_large(
         self, fd: int, r: Read, path: str, describe: Any, verify: Any, chunk: int
