@@ -64,7 +64,9 @@ MSC_ATTEMPTS                   3          tries of an msc:// request that failed
 MSC_RETRY_DELAY_S              0.5        wait before the first retry (doubles each time)
 COPY_AHEAD_BYTES               268435456  host memory for staged copies of accelerator tensors
                                           while they are written or read (0: no bound)
-STAGING_BUFFER_BYTES           33554432   size of one buffer of the staging pool
+STAGING_BUFFER_BYTES           33554432   size of one buffer of the staging pool; also the
+                                          most a ``raw_bytes`` reading thread stages for the
+                                          parts of stored chunks a resharding load copies
 LOAD_PRELOAD                   1          small files of a load read once, by one rank, for
                                           all: 0 never, 1 object stores, 2 every backend
 LOAD_PRELOAD_BYTES             268435456  most bytes of small files that one rank preloads
@@ -242,7 +244,11 @@ COPY_AHEAD_BYTES = Knob(
     "host memory for staged copies of accelerator tensors being written or read (0: no bound)",
 )
 STAGING_BUFFER_BYTES = Knob(
-    "STAGING_BUFFER_BYTES", 32 << 20, 4096, "size of one buffer of the staging pool"
+    "STAGING_BUFFER_BYTES",
+    32 << 20,
+    4096,
+    "size of one buffer of the staging pool; also the most a raw_bytes reading thread "
+    "stages for the parts of stored chunks a resharding load copies",
 )
 LOAD_PRELOAD = Knob(
     "LOAD_PRELOAD",

@@ -1,0 +1,190 @@
+"""Resharding loads: a checkpoint saved by one number of ranks, loaded by others.
+
+    python bench/reshard_load.py [--save-ranks 2] [--load-ranks 1,2,4] [--mib 512]
+        [--count 64] [--methods torch_dist,raw_bytes] [--loads 3] [--root DIR]
+
+``--count`` matrices of 1,024 rows (``--mib`` in all, float32) are saved by
+``--save-ranks`` ranks, split into blocks of rows (even tensors) or of columns (odd ones),
+as tensor parallelism splits a transformer's weights; each ``--load-ranks`` count then
+loads them split the same way over its own ranks (the same layout where it equals the
+save's). Loading on fewer ranks joins the blocks (a rank's column blocks land in strided
+destinations); on more, it cuts them. Each load runs ``--loads`` times into the same
+destinations after one that warms the page cache and the allocator, and is compared bit
+for bit with the tensors built independently.
+
+Per row: the median load (slowest rank, barrier to barrier), the checkpoint's bytes over
+it, and ``RSS +``: how far the largest rank's RSS rose above where it was before its
+loads (sampled every millisecond), the memory a load needs beyond its destinations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedTensor
+
+ROWS = 1024
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--save-ranks", type=int, default=2)
+    parser.add_argument("--load-ranks", default="1,2,4")
+    parser.add_argument("--mib", type=int, default=512)
+    parser.add_argument("--count", type=int, default=64)
+    parser.add_argument("--methods", default="torch_dist,raw_bytes")
+    parser.add_argument("--loads", type=int, default=3)
+    parser.add_argument("--root", default=None, help="where to save (default: a temp dir)")
+    parser.add_argument("--worker", choices=["save", "load"], help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def _cols(args: argparse.Namespace) -> int:
+    cols = (args.mib << 20) // 4 // args.count // ROWS
+    return max(16, cols - cols % 16)
+
+
+def _full(i: int, cols: int) -> torch.Tensor:
+    return torch.randn(ROWS, cols, generator=torch.Generator().manual_seed(i))
+
+
+def _block(t: torch.Tensor, i: int, rank: int, world: int) -> torch.Tensor:
+    return t.chunk(world, dim=i % 2)[rank]
+
+
+def _request(args: argparse.Namespace, data: dict[int, torch.Tensor]) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {
+        f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", t, (i % 2, rank, world))
+        for i, t in data.items()
+    }
+
+
+class _PeakRss:
+    """The largest RSS of this process while it runs (sampled every millisecond)."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self.start = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.start
+
+
+def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cols = _cols(args)
+    if args.worker == "save":
+        data = {i: _block(_full(i, cols), i, rank, world).contiguous() for i in range(args.count)}
+        dc.save(_request(args, data), args.root, (args.method, 1))
+        dist.destroy_process_group()
+        return
+    shapes = [
+        _block(torch.empty(ROWS, cols, device="meta"), i, rank, world).shape
+        for i in range(args.count)
+    ]
+    targets = {i: torch.empty(s) for i, s in enumerate(shapes)}
+    dc.load(_request(args, targets), args.root)  # warms the page cache and the allocator
+    times = []
+    rss = _PeakRss()
+    for _ in range(args.loads):
+        request = _request(args, targets)
+        dist.barrier()
+        start = time.perf_counter()
+        dc.load(request, args.root)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    rise = rss.stop()
+    bad = [
+        i for i, t in targets.items() if not torch.equal(t, _block(_full(i, cols), i, rank, world))
+    ]
+    assert not bad, f"rank {rank}: tensors {bad} differ from the ones saved"
+    rises = [0] * world
+    dist.all_gather_object(rises, rise)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"times": times, "rss": max(rises)}))
+    dist.destroy_process_group()
+
+
+def _torchrun(ranks: int, argv: list[str]) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", f"--nproc_per_node={ranks}", __file__, *argv]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+
+
+def main() -> None:
+    args = parse()
+    if args.worker:
+        worker(args)
+        return
+    root = Path(args.root or tempfile.mkdtemp(prefix="dist_ckpt_reshard_"))
+    cols = _cols(args)
+    total = args.count * ROWS * cols * 4
+    print(
+        f"{args.count} tensors of ({ROWS}, {cols}) float32, {total / 2**20:.0f} MiB, "
+        f"saved by {args.save_ranks} rank(s)"
+    )
+    print(f"{'method':>10} {'ranks':>5} {'load s':>8} {'GB/s':>6} {'RSS +MiB':>8} {'state MiB':>9}")
+    for method in args.methods.split(","):
+        ckpt = root / method
+        shutil.rmtree(ckpt, ignore_errors=True)
+        ckpt.mkdir(parents=True)
+        common = [
+            "--root",
+            str(ckpt),
+            "--method",
+            method,
+            "--mib",
+            str(args.mib),
+            "--count",
+            str(args.count),
+        ]
+        _torchrun(args.save_ranks, ["--worker", "save", *common])
+        for ranks in (int(r) for r in args.load_ranks.split(",")):
+            out = root / "result.json"
+            _torchrun(
+                ranks, ["--worker", "load", "--out", str(out), "--loads", str(args.loads), *common]
+            )
+            res = json.loads(out.read_text())
+            median = statistics.median(res["times"])
+            print(
+                f"{method:>10} {ranks:>5} {median:8.3f} {total / median / 1e9:6.2f} "
+                f"{res['rss'] / 2**20:8.0f} {total / ranks / 2**20:9.0f}",
+                flush=True,
+            )
+        shutil.rmtree(ckpt, ignore_errors=True)
+    if args.root is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""``bench/reshard_load.py`` on a few small tensors: a row per method and load rank count,
+each load checked bit for bit by the benchmark itself."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.bench.launch import bench_command, bench_env
+
+
+@pytest.mark.slow
+def test_reshard_load_prints_a_row_per_method_and_rank_count(tmp_path: Path) -> None:
+    args = ["--mib", "2", "--count", "4", "--save-ranks", "2", "--load-ranks", "1,4"]
+    args += ["--loads", "1", "--root", str(tmp_path / "c")]
+    proc = subprocess.run(
+        bench_command("reshard_load.py", args),
+        env=bench_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("4 tensors of (1024, 128) float32, 2 MiB, saved by 2"), lines
+    rows = [line.split() for line in lines[2:]]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("torch_dist", "1"),
+        ("torch_dist", "4"),
+        ("raw_bytes", "1"),
+        ("raw_bytes", "4"),
+    ], proc.stdout
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows), proc.stdout
