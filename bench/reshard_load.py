@@ -1,7 +1,7 @@
 """Resharding loads: a checkpoint saved by one number of ranks, loaded by others.
 
     python bench/reshard_load.py [--save-ranks 2] [--load-ranks 1,2,4] [--mib 512]
-        [--count 64] [--methods torch_dist,raw_bytes] [--loads 3] [--root DIR]
+        [--count 64] [--methods torch_dist,raw_bytes,megatron] [--loads 3] [--root DIR]
 
 ``--count`` matrices of 1,024 rows (``--mib`` in all, float32) are saved by
 ``--save-ranks`` ranks, split into blocks of rows (even tensors) or of columns (odd ones),
@@ -15,11 +15,19 @@ for bit with the tensors built independently.
 Per row: the median load (slowest rank, barrier to barrier), the checkpoint's bytes over
 it, and ``RSS +``: how far the largest rank's RSS rose above where it was before its
 loads (sampled every millisecond), the memory a load needs beyond its destinations.
+
+Methods: our two layouts (``torch_dist`` and ``raw_bytes``, saved with
+``dist_checkpointing``) and ``megatron``: Megatron-Core's ``dist_checkpointing`` (its
+``torch_dist`` strategy) saving and loading, where ``megatron.core`` can be imported (for
+example ``PYTHONPATH=.mcore-site/0.16.1``, which ``make test`` installs; else the row says
+so). Plain DCP has no row: it reshards DTensor and ShardedTensor state dicts only.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -29,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +46,9 @@ import torch
 import torch.distributed as dist
 
 import dist_checkpointing as dc
-from dist_checkpointing import ShardedTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mcore_compat import stand_ins  # noqa: E402
 
 ROWS = 1024
 
@@ -48,7 +59,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--load-ranks", default="1,2,4")
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--count", type=int, default=64)
-    parser.add_argument("--methods", default="torch_dist,raw_bytes")
+    parser.add_argument("--methods", default="torch_dist,raw_bytes,megatron")
     parser.add_argument("--loads", type=int, default=3)
     parser.add_argument("--root", default=None, help="where to save (default: a temp dir)")
     parser.add_argument("--worker", choices=["save", "load"], help=argparse.SUPPRESS)
@@ -70,12 +81,48 @@ def _block(t: torch.Tensor, i: int, rank: int, world: int) -> torch.Tensor:
     return t.chunk(world, dim=i % 2)[rank]
 
 
+def _library(method: str) -> Any:
+    """The ``dist_checkpointing`` package that saves and loads for ``method``."""
+    if method == "megatron":
+        return importlib.import_module("megatron.core.dist_checkpointing")
+    return dc
+
+
 def _request(args: argparse.Namespace, data: dict[int, torch.Tensor]) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    sharded = _library(args.method).ShardedTensor
     return {
-        f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", t, (i % 2, rank, world))
+        f"w{i}": sharded.from_rank_offsets(f"w{i}", t, (i % 2, rank, world))
         for i, t in data.items()
     }
+
+
+def _save(args: argparse.Namespace, state: dict[str, Any]) -> None:
+    if args.method != "megatron":
+        dc.save(state, args.root, (args.method, 1))
+        return
+    strategies = importlib.import_module("megatron.core.dist_checkpointing.strategies.torch")
+    strategy = strategies.TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=2)
+    with stand_ins():
+        _library("megatron").save(state, args.root, sharded_strategy=strategy)
+
+
+def _load(args: argparse.Namespace, state: dict[str, Any]) -> None:
+    with stand_ins():
+        loaded = _library(args.method).load(state, args.root)
+    for key, sh in state.items():  # a library may return other tensors: into the destinations
+        if loaded[key] is not sh.data:
+            sh.data.copy_(loaded[key])
+
+
+def _unavailable(method: str) -> str | None:
+    if method != "megatron":
+        return None
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        found = False
+    return None if found else "n/a (megatron.core not installed)"
 
 
 class _PeakRss:
@@ -99,12 +146,14 @@ class _PeakRss:
 
 
 def worker(args: argparse.Namespace) -> None:
+    if args.method == "megatron":  # its imports warn about optional packages, its load too
+        warnings.simplefilter("ignore")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cols = _cols(args)
     if args.worker == "save":
         data = {i: _block(_full(i, cols), i, rank, world).contiguous() for i in range(args.count)}
-        dc.save(_request(args, data), args.root, (args.method, 1))
+        _save(args, _request(args, data))
         dist.destroy_process_group()
         return
     shapes = [
@@ -112,14 +161,14 @@ def worker(args: argparse.Namespace) -> None:
         for i in range(args.count)
     ]
     targets = {i: torch.empty(s) for i, s in enumerate(shapes)}
-    dc.load(_request(args, targets), args.root)  # warms the page cache and the allocator
+    _load(args, _request(args, targets))  # warms the page cache and the allocator
     times = []
     rss = _PeakRss()
     for _ in range(args.loads):
         request = _request(args, targets)
         dist.barrier()
         start = time.perf_counter()
-        dc.load(request, args.root)
+        _load(args, request)
         dist.barrier()
         times.append(time.perf_counter() - start)
     rise = rss.stop()
@@ -155,6 +204,10 @@ def main() -> None:
     )
     print(f"{'method':>10} {'ranks':>5} {'load s':>8} {'GB/s':>6} {'RSS +MiB':>8} {'state MiB':>9}")
     for method in args.methods.split(","):
+        missing = _unavailable(method)
+        if missing:
+            print(f"{method:>10} {missing}")
+            continue
         ckpt = root / method
         shutil.rmtree(ckpt, ignore_errors=True)
         ckpt.mkdir(parents=True)

@@ -14,7 +14,7 @@ from tests.bench.launch import bench_command, bench_env
 @pytest.mark.slow
 def test_reshard_load_prints_a_row_per_method_and_rank_count(tmp_path: Path) -> None:
     args = ["--mib", "2", "--count", "4", "--save-ranks", "2", "--load-ranks", "1,4"]
-    args += ["--loads", "1", "--root", str(tmp_path / "c")]
+    args += ["--loads", "1", "--root", str(tmp_path / "c"), "--methods", "torch_dist,raw_bytes"]
     proc = subprocess.run(
         bench_command("reshard_load.py", args),
         env=bench_env(tmp_path),
