@@ -11,12 +11,14 @@ against the stored shape and the destination's shape first.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CheckpointingException, CorruptCheckpointError
+from .. import knobs
 from ..safety import safe_torch_load
 from .byte_ranges import ItemBytes
 from .item_reader import TensorRecord
@@ -43,7 +45,6 @@ def _check_request(
         )
 
 
-@functools.lru_cache(maxsize=4096)
 @functools.cache
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -78,13 +79,34 @@ def copy_region(
                 target, lambda at, host: item.read_into_tensor(start + at, host, True), pool
             )
             return
-        staging = torch.empty(lengths, dtype=rec.dtype)
-        item.read_into_tensor(start, staging)
-        target.copy_(staging)
+        staging, transient = _staging(numel, rec.dtype)
+        item.read_into_tensor(start, staging, transient)
+        target.copy_(staging.view(lengths))
         return
-    staging = torch.empty(span, dtype=rec.dtype)
-    item.read_into_tensor(start, staging)
+    staging, transient = _staging(span, rec.dtype)
+    item.read_into_tensor(start, staging, transient)
     target.copy_(staging.as_strided(lengths, strides))
+
+
+_scratch = threading.local()
+
+
+def _staging(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A host buffer of ``numel`` elements for bytes copied on into a destination, and
+    whether it is this thread's reused one (``transient``: the reader verifies what it
+    read into it before it is reused). Up to ``STAGING_BUFFER_BYTES``, the thread's
+    buffer, grown as needed (a resharding load reads many such regions: one buffer, not
+    a fresh allocation and its page faults per region); larger, a buffer of its own."""
+    nbytes = numel * _itemsize(dtype)
+    if nbytes > knobs.STAGING_BUFFER_BYTES.get():
+        return torch.empty(numel, dtype=dtype), False
+    buf: torch.Tensor | None = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        size = max(nbytes, 2 * buf.numel() if buf is not None else 0)
+        buf = _scratch.buf = torch.empty(
+            min(size, max(nbytes, knobs.STAGING_BUFFER_BYTES.get())), dtype=torch.uint8
+        )
+    return buf[:nbytes].view(dtype), True
 
 
 def copy_region_torch_load(item: ItemBytes, read_item: ReadItem, target: torch.Tensor) -> None:
