@@ -173,6 +173,12 @@ class LoadPlanner:
                 continue
             self._add_exact(row, data)
             return
+        if (
+            fr is not None
+            and not sh.allow_shape_mismatch
+            and self._add_flat(sh, rows, offset, block)
+        ):
+            return
         self._add_boxes(sh, rows, tuple(offset), tuple(block))
 
     def _add_exact(self, row: int, data: torch.Tensor) -> None:
@@ -193,6 +199,84 @@ class LoadPlanner:
             lengths.append(length)
             groups.append([len(self.plan.reads)])
         self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
+
+    def _add_flat(
+        self, sh: ShardedTensor, rows: list[int], offset: list[int], block: list[int]
+    ) -> bool:
+        """A flat range of a block whose stored entries are flat ranges of that same block
+        (a distributed optimizer's state saved with another data-parallel size): each
+        entry's overlap with the request is read into it, not the whole block assembled
+        first (every rank read and held all of every block it touched). False where the
+        stored flat ranges of the block do not cover the request exactly once: the caller
+        plans boxes."""
+        fr = sh.flattened_range
+        assert fr is not None and sh.data is not None
+        d, kinds, starts, ndims = self._dims, self._kind, self._dims_start, self._ndim
+        parts = []
+        for row in rows:
+            n, at = ndims[row], starts[row]
+            if kinds[row] != KIND_FLAT or d[at + n : at + 2 * n] != offset:
+                continue
+            if d[at + 2 * n : at + 3 * n] != block:
+                continue
+            lo, hi = max(fr.start, self._flat_start[row]), min(fr.stop, self._flat_stop[row])
+            if lo < hi:
+                parts.append((row, lo, hi))
+        if sum(hi - lo for _, lo, hi in parts) != fr.stop - fr.start:
+            return False
+        dtypes = {self._dtype[row] for row, _, _ in parts}
+        if len(dtypes) != 1:
+            return False
+        dtype = self._dtypes[dtypes.pop()]
+        data = sh.data
+        dest = _host_view(data, dtype, (fr.stop - fr.start,))
+        into: list[int] | None = [] if dest is not None else None
+        if dest is None:  # on a device, or of another dtype: a host buffer, copied last
+            dest = torch.empty(fr.stop - fr.start, dtype=dtype)
+            self.plan.copies.append(partial(_copy, data, dest))
+        # (A contiguous tensor of one element may have any stride: as_strided gives 1.)
+        out, size = dest.as_strided((dest.numel(),), (1,)).view(torch.uint8), ITEMSIZE[dtype]
+        for row, lo, hi in parts:
+            first, at = self._flat_start[row], (lo - fr.start) * size
+            target = out[at : at + (hi - lo) * size]
+            self._read_bytes(row, (lo - first) * size, (hi - first) * size, target, into)
+        if into:  # one group: the request's memory (see _isolate_shared)
+            self._groups[0].append(dest.data_ptr())
+            self._groups[1].append(dest.nbytes)
+            self._groups[2].append(into)
+        return True
+
+    def _read_bytes(
+        self, row: int, lo: int, hi: int, target: torch.Tensor, into: list[int] | None
+    ) -> None:
+        """Read bytes ``[lo, hi)`` of entry ``row`` into ``target`` (``uint8``, contiguous):
+        the whole checksum blocks among them straight into it, the partial ones at its
+        ends as staged reads of their whole blocks. ``into``: where to note the reads
+        that land in a request's memory."""
+        lo_b, hi_b = self._block_bounds(lo, hi, self._length[row])
+        bb = self.index.block_bytes
+        a = lo if lo == lo_b else min(hi_b, lo_b + bb)  # the whole blocks: [a, b)
+        b = hi if hi == hi_b else hi // bb * bb
+        spans = [(lo_b, hi_b, lo, hi)] if a >= b else [(lo_b, a, lo, a), (a, b, a, b)]
+        if a < b:
+            spans.append((b, hi_b, b, hi))
+        for start, stop, want_lo, want_hi in spans:
+            if want_lo == want_hi:
+                continue
+            piece = target[want_lo - lo : want_hi - lo]
+            if (start, stop) == (want_lo, want_hi):
+                read = self._read(row, start, stop - start, buffer_of(piece))
+            else:
+                at = want_lo - start
+
+                def deliver(buf: torch.Tensor, piece: torch.Tensor = piece, at: int = at) -> None:
+                    piece.copy_(buf[at : at + piece.numel()])
+
+                read = self._read(row, start, stop - start, None)
+                read.stage = Staged(0, deliver)
+            if into is not None:
+                into.append(len(self.plan.reads))
+            self.plan.reads.append(read)
 
     def _streams(self, length: int) -> bool:
         """Whether an entry of ``length`` bytes for an accelerator destination streams
