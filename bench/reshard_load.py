@@ -1,16 +1,23 @@
 """Resharding loads: a checkpoint saved by one number of ranks, loaded by others.
 
     python bench/reshard_load.py [--save-ranks 2] [--load-ranks 1,2,4] [--mib 512]
-        [--count 64] [--methods torch_dist,raw_bytes,megatron] [--loads 3] [--root DIR]
+        [--count 64] [--cases grid,flat] [--methods torch_dist,raw_bytes,megatron]
+        [--loads 3] [--root DIR]
 
 ``--count`` matrices of 1,024 rows (``--mib`` in all, float32) are saved by
-``--save-ranks`` ranks, split into blocks of rows (even tensors) or of columns (odd ones),
-as tensor parallelism splits a transformer's weights; each ``--load-ranks`` count then
-loads them split the same way over its own ranks (the same layout where it equals the
-save's). Loading on fewer ranks joins the blocks (a rank's column blocks land in strided
-destinations); on more, it cuts them. Each load runs ``--loads`` times into the same
-destinations after one that warms the page cache and the allocator, and is compared bit
-for bit with the tensors built independently.
+``--save-ranks`` ranks and loaded by each ``--load-ranks`` count (the same layout where
+it equals the save's), split over the ranks as the case says:
+
+- ``grid``: into blocks of rows (even tensors) or of columns (odd ones), as tensor
+  parallelism splits a transformer's weights. Loading on fewer ranks joins the blocks (a
+  rank's column blocks land in strided destinations); on more, it cuts them;
+- ``flat``: each tensor's flattening cut into a range per rank, the cuts a little off
+  the even ones and different for each tensor, as a distributed optimizer shards its
+  state over data-parallel ranks.
+
+Each load runs ``--loads`` times into the same destinations after one that warms the
+page cache and the allocator, and is compared bit for bit with the tensors built
+independently.
 
 Per row: the median load (slowest rank, barrier to barrier), the checkpoint's bytes over
 it, and ``RSS +``: how far the largest rank's RSS rose above where it was before its
@@ -59,7 +66,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--load-ranks", default="1,2,4")
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--count", type=int, default=64)
+    parser.add_argument("--cases", default="grid,flat")
     parser.add_argument("--methods", default="torch_dist,raw_bytes,megatron")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--loads", type=int, default=3)
     parser.add_argument("--root", default=None, help="where to save (default: a temp dir)")
     parser.add_argument("--worker", choices=["save", "load"], help=argparse.SUPPRESS)
@@ -77,7 +86,16 @@ def _full(i: int, cols: int) -> torch.Tensor:
     return torch.randn(ROWS, cols, generator=torch.Generator().manual_seed(i))
 
 
-def _block(t: torch.Tensor, i: int, rank: int, world: int) -> torch.Tensor:
+def _range(i: int, numel: int, rank: int, world: int) -> slice:
+    """Rank ``rank``'s range of tensor ``i``'s flattening (``flat`` case)."""
+    cuts = [0, *(numel * k // world + (i * 37) % 101 for k in range(1, world)), numel]
+    return slice(cuts[rank], cuts[rank + 1])
+
+
+def _part(case: str, t: torch.Tensor, i: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s part of tensor ``i`` (``t``, whole)."""
+    if case == "flat":
+        return t.reshape(-1)[_range(i, t.numel(), rank, world)]
     return t.chunk(world, dim=i % 2)[rank]
 
 
@@ -91,6 +109,14 @@ def _library(method: str) -> Any:
 def _request(args: argparse.Namespace, data: dict[int, torch.Tensor]) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     sharded = _library(args.method).ShardedTensor
+    if args.case == "flat":
+        shape = (ROWS, _cols(args))
+        return {
+            f"w{i}": sharded.from_rank_offsets_flat(
+                f"w{i}", t, shape, flattened_range=_range(i, ROWS * shape[1], rank, world)
+            )
+            for i, t in data.items()
+        }
     return {
         f"w{i}": sharded.from_rank_offsets(f"w{i}", t, (i % 2, rank, world))
         for i, t in data.items()
@@ -111,18 +137,23 @@ def _load(args: argparse.Namespace, state: dict[str, Any]) -> None:
     with stand_ins():
         loaded = _library(args.method).load(state, args.root)
     for key, sh in state.items():  # a library may return other tensors: into the destinations
-        if loaded[key] is not sh.data:
+        if loaded[key].data_ptr() != sh.data.data_ptr():
             sh.data.copy_(loaded[key])
 
 
-def _unavailable(method: str) -> str | None:
+def _unavailable(method: str, case: str) -> str | None:
     if method != "megatron":
         return None
     try:
         found = importlib.util.find_spec("megatron.core") is not None
     except ModuleNotFoundError:
         found = False
-    return None if found else "n/a (megatron.core not installed)"
+    if not found:
+        return "n/a (megatron.core not installed)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flat = hasattr(_library(method).ShardedTensor, "from_rank_offsets_flat")
+    return None if flat or case != "flat" else "n/a (this Megatron-Core has no flat ranges)"
 
 
 class _PeakRss:
@@ -152,12 +183,15 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cols = _cols(args)
     if args.worker == "save":
-        data = {i: _block(_full(i, cols), i, rank, world).contiguous() for i in range(args.count)}
+        data = {
+            i: _part(args.case, _full(i, cols), i, rank, world).contiguous()
+            for i in range(args.count)
+        }
         _save(args, _request(args, data))
         dist.destroy_process_group()
         return
     shapes = [
-        _block(torch.empty(ROWS, cols, device="meta"), i, rank, world).shape
+        _part(args.case, torch.empty(ROWS, cols, device="meta"), i, rank, world).shape
         for i in range(args.count)
     ]
     targets = {i: torch.empty(s) for i, s in enumerate(shapes)}
@@ -173,7 +207,9 @@ def worker(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
     rise = rss.stop()
     bad = [
-        i for i, t in targets.items() if not torch.equal(t, _block(_full(i, cols), i, rank, world))
+        i
+        for i, t in targets.items()
+        if not torch.equal(t, _part(args.case, _full(i, cols), i, rank, world))
     ]
     assert not bad, f"rank {rank}: tensors {bad} differ from the ones saved"
     rises = [0] * world
@@ -202,13 +238,16 @@ def main() -> None:
         f"{args.count} tensors of ({ROWS}, {cols}) float32, {total / 2**20:.0f} MiB, "
         f"saved by {args.save_ranks} rank(s)"
     )
-    print(f"{'method':>10} {'ranks':>5} {'load s':>8} {'GB/s':>6} {'RSS +MiB':>8} {'state MiB':>9}")
-    for method in args.methods.split(","):
-        missing = _unavailable(method)
+    print(
+        f"{'case':>5} {'method':>10} {'ranks':>5} {'load s':>8} {'GB/s':>6} {'RSS +MiB':>8} "
+        f"{'state MiB':>9}"
+    )
+    for case, method in ((c, m) for c in args.cases.split(",") for m in args.methods.split(",")):
+        missing = _unavailable(method, case)
         if missing:
-            print(f"{method:>10} {missing}")
+            print(f"{case:>5} {method:>10} {missing}")
             continue
-        ckpt = root / method
+        ckpt = root / f"{case}_{method}"
         shutil.rmtree(ckpt, ignore_errors=True)
         ckpt.mkdir(parents=True)
         common = [
@@ -216,6 +255,8 @@ def main() -> None:
             str(ckpt),
             "--method",
             method,
+            "--case",
+            case,
             "--mib",
             str(args.mib),
             "--count",
@@ -230,7 +271,7 @@ def main() -> None:
             res = json.loads(out.read_text())
             median = statistics.median(res["times"])
             print(
-                f"{method:>10} {ranks:>5} {median:8.3f} {total / median / 1e9:6.2f} "
+                f"{case:>5} {method:>10} {ranks:>5} {median:8.3f} {total / median / 1e9:6.2f} "
                 f"{res['rss'] / 2**20:8.0f} {total / ranks / 2**20:9.0f}",
                 flush=True,
             )

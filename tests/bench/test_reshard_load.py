@@ -1,5 +1,5 @@
-"""``bench/reshard_load.py`` on a few small tensors: a row per method and load rank count,
-each load checked bit for bit by the benchmark itself."""
+"""``bench/reshard_load.py`` on a few small tensors: a row per case, method and load rank
+count, each load checked bit for bit by the benchmark itself."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.bench.launch import bench_command, bench_env
 
 
 @pytest.mark.slow
-def test_reshard_load_prints_a_row_per_method_and_rank_count(tmp_path: Path) -> None:
+def test_reshard_load_prints_a_row_per_case_method_and_rank_count(tmp_path: Path) -> None:
     args = ["--mib", "2", "--count", "4", "--save-ranks", "2", "--load-ranks", "1,4"]
     args += ["--loads", "1", "--root", str(tmp_path / "c"), "--methods", "torch_dist,raw_bytes"]
     proc = subprocess.run(
@@ -26,10 +26,10 @@ def test_reshard_load_prints_a_row_per_method_and_rank_count(tmp_path: Path) -> 
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("4 tensors of (1024, 128) float32, 2 MiB, saved by 2"), lines
     rows = [line.split() for line in lines[2:]]
-    assert [(r[0], r[1]) for r in rows] == [
-        ("torch_dist", "1"),
-        ("torch_dist", "4"),
-        ("raw_bytes", "1"),
-        ("raw_bytes", "4"),
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (case, method, ranks)
+        for case in ("grid", "flat")
+        for method in ("torch_dist", "raw_bytes")
+        for ranks in ("1", "4")
     ], proc.stdout
-    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows), proc.stdout
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), proc.stdout
