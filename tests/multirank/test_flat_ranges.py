@@ -170,3 +170,54 @@ def _shared(block: int) -> list[str]:
 def test_one_memory_under_two_flat_keys_loads_one_of_the_values() -> None:
     (problems,) = run_distributed(_shared, 1, 64 << 10, timeout=120.0)
     assert problems == []
+
+
+def _rows_read(block: int) -> dict[str, Any]:
+    """Rank function (one rank): a (1024, 1024) tensor saved as two row blocks (TP=2),
+    each cut into 4 flat ranges (DP=4); a request of one flat quarter of a row block of
+    the tensor cut in 4 (TP=4): the bytes read, and the request's values."""
+    os.environ["DIST_CKPT_CHECKSUM_BLOCK_BYTES"] = str(block)
+    ref = torch.randn(1024, 1024)
+    half = 512 * 1024
+    state = []
+    for tp in range(2):
+        part = ref[512 * tp : 512 * (tp + 1)].reshape(-1)
+        for dp in range(4):
+            a, b = half * dp // 4, half * (dp + 1) // 4
+            state.append(
+                ShardedTensor.from_rank_offsets_flat(
+                    "w", part[a:b].clone(), (512, 1024), (0, tp, 2), flattened_range=slice(a, b)
+                )
+            )
+    read: list[int] = []
+    run = raw_reader.RawReader.run
+
+    def counting(self: Any, reads: Any, alongside: int = 0) -> None:
+        read.append(sum(r.length for r in reads))
+        run(self, reads, alongside)
+
+    quarter = 256 * 1024  # the TP=4 block's elements
+    a, b = quarter // 4 + 100, quarter // 2 + 100  # a DP rank's range of TP block 1
+    dest = torch.empty(b - a)
+    sh = ShardedTensor.from_rank_offsets_flat(
+        "w", dest, (256, 1024), (0, 1, 4), flattened_range=slice(a, b)
+    )
+    with tempfile.TemporaryDirectory() as root:
+        dc.save({"w": state}, root, ("raw_bytes", 1))
+        raw_reader.RawReader.run = counting  # type: ignore[method-assign]
+        try:
+            dc.load({"w": sh}, root, validate_access_integrity=False)  # a part only
+        finally:
+            raw_reader.RawReader.run = run  # type: ignore[method-assign]
+    expected = ref[256:512].reshape(-1)[a:b]
+    return {"read": sum(read), "exact": torch.equal(dest, expected), "request": 4 * (b - a)}
+
+
+def test_a_flat_request_of_another_block_reads_the_rows_it_needs() -> None:
+    block = 64 << 10
+    (res,) = run_distributed(_rows_read, 1, block, timeout=120.0)
+    assert res["exact"]
+    # The rows it meets (two partial ones: one more row, 4 KiB, at each end) and a
+    # checksum block more at each end of each stored range they meet; the stored block
+    # (2 MiB) was read whole before.
+    assert res["request"] <= res["read"] <= res["request"] + 2 * 4096 + 4 * block, res

@@ -12,11 +12,15 @@ is matched against the stored entries of its key in the index:
   *staged* read (:class:`~.reader.Staged`): the reader lands the rows in its
   reused staging memory and copies what the box wants out of them as soon as
   they are verified, so a resharding load holds a bounded amount of staging
-  memory, not a copy of everything it reads. A stored flat range contributes
-  through its whole block, assembled once per load from the block's flat
-  entries (each read straight into its slice of the block), copied once every
-  read is done; a staging box (a destination of another dtype, or not
-  contiguous) is copied into the destination last.
+  memory, not a copy of everything it reads. Stored flat ranges contribute
+  through the rows of their block that meet the box, assembled from the parts
+  of the flat entries that hold them, copied once every read is done; a
+  staging box (a destination of another dtype, or not contiguous) is copied
+  into the destination last.
+
+A flat range requested from flat ranges of the same block (a distributed
+optimizer's state with another data-parallel size) skips the boxes: each stored
+range's overlap with it is read into it.
 
 Reads that cover part of an entry start and end on checksum block boundaries
 (the extra bytes are at most one block on each side), so the reader can verify
@@ -90,8 +94,6 @@ class LoadPlanner:
         self._by_key = index.rows_by_key
         self._dtypes = [DTYPES[name] for name in index.dtypes]
         self.plan = LoadPlan()
-        self._blocks: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-        self._block_copies: list[Callable[[], None]] = []
         # The reads that land in a request's memory, a group per request: its memory's
         # address and bytes, the group's indexes in plan.reads (see _isolate_shared).
         self._groups: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
@@ -100,7 +102,6 @@ class LoadPlanner:
 
     def finish(self) -> LoadPlan:
         self._isolate_shared()
-        self.plan.copies = self._block_copies + self.plan.copies
         return self.plan
 
     def _isolate_shared(self) -> None:
@@ -365,8 +366,10 @@ class LoadPlanner:
             if o in seen:
                 return 0
             seen.add(o)
-            stored = self._flat_block(key, o, s, self.index.dtype_of(row))
-            src = stored[box_slices(tuple(a - b for a, b in zip(lo, o)), size)]
+            first = lo[0] - o[0] if s else 0  # the rows of the stored block that meet the box
+            stored = self._flat_rows(key, o, s, self.index.dtype_of(row), first, size[:1])
+            at = (0,) + tuple(a - b for a, b in zip(lo[1:], o[1:])) if s else ()
+            src = stored[box_slices(at, size)]
             self.plan.copies.append(partial(_copy, dst, src))
         elif c["kind"][row] == KIND_GRID:
             self._rows_of_grid(row, o, s, lo, size, dst)
@@ -425,30 +428,43 @@ class LoadPlanner:
             return lo, hi
         return lo // bb * bb, min(-(-hi // bb) * bb, length)
 
-    def _flat_block(
-        self, key: str, o: tuple[int, ...], s: tuple[int, ...], dtype: torch.dtype
+    def _flat_rows(
+        self,
+        key: str,
+        o: tuple[int, ...],
+        s: tuple[int, ...],
+        dtype: torch.dtype,
+        first: int,
+        count: tuple[int, ...],
     ) -> torch.Tensor:
-        """The stored block at ``o`` assembled from its flat entries (once per load)."""
-        cached = self._blocks.get((key, o))
-        if cached is not None:
-            return cached
+        """Rows ``first`` to ``first + count[0]`` (all of a 0-d block) of the stored block
+        at ``o``, assembled from the parts of its flat entries that hold them (read
+        straight in where they span whole checksum blocks, else staged): only what the
+        request needs, not the whole block (a data-parallel rank's request meets a small
+        part of each block)."""
+        per_row = math.prod(s[1:])
+        a = first * per_row
+        b = a + (count[0] * per_row if s else 1)
+        rows = torch.empty(b - a, dtype=dtype)
+        out, size = rows.view(torch.uint8), ITEMSIZE[dtype]
         c = self.index.columns
-        block = torch.empty(math.prod(s), dtype=dtype)
         covered = 0
         for row in self.index.rows_by_key[key]:
             if c["kind"][row] != KIND_FLAT or self.index.box(row)[1] != o:
                 continue
-            a, b = c["flat_start"][row], c["flat_stop"][row]
-            self.plan.reads.append(self._read(row, 0, c["length"][row], buffer_of(block[a:b])))
-            covered += b - a
-        if covered != block.numel():
+            start = c["flat_start"][row]
+            lo, hi = max(a, start), min(b, c["flat_stop"][row])
+            if lo >= hi:
+                continue
+            target = out[(lo - a) * size : (hi - a) * size]
+            self._read_bytes(row, (lo - start) * size, (hi - start) * size, target, None)
+            covered += hi - lo
+        if covered != b - a:
             raise CorruptCheckpointError(
-                f"'{key}': the flat ranges stored for the block at {o} cover {covered} of its "
-                f"{block.numel()} elements"
+                f"'{key}': the flat ranges stored for the block at {o} cover {covered} of "
+                f"the {b - a} elements of its flattening [{a}, {b}) requested"
             )
-        shaped = block.view(s)
-        self._blocks[(key, o)] = shaped
-        return shaped
+        return rows.view(((count[0],) + s[1:]) if s else s)
 
 
 def finish_objects(plan: LoadPlan, load: Callable[[bytes, str], Any]) -> None:
