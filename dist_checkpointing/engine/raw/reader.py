@@ -89,6 +89,7 @@ class _Staging:
         self.cap = cap
         self.buf = torch.empty(0, dtype=torch.uint8)
         self.used = 0
+        self.alone = False  # a read with a buffer of its own is landed: nothing beside it
         self.landed: list[tuple[Read, torch.Tensor]] = []
 
     def land(self, r: Read) -> bool:
@@ -97,12 +98,13 @@ class _Staging:
         assert r.stage is not None
         n = r.stage.lead + r.length
         at = self.used
-        if at + n > len(self.buf):
-            if at:
-                return False
-            if n > self.cap:
-                self._hold(r, torch.empty(n, dtype=torch.uint8))
-                return True
+        if self.landed and (self.alone or at + n > len(self.buf)):
+            return False
+        if n > self.cap:
+            self.alone = True
+            self._hold(r, torch.empty(n, dtype=torch.uint8))
+            return True
+        if at + n > len(self.buf):  # nothing landed: a larger buffer
             self.buf = torch.empty(min(self.cap, max(n, 2 * len(self.buf))), dtype=torch.uint8)
         self.used = -(-(at + n) // 64) * 64  # the next place starts on a cache line
         self._hold(r, self.buf[at : at + n])
@@ -122,6 +124,7 @@ class _Staging:
             r.dest = None
         self.landed.clear()
         self.used = 0
+        self.alone = False
 
 
 def _read_all(fd: int, buffers: list[Any], offset: int, describe: Any) -> None:
