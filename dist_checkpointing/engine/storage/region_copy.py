@@ -79,34 +79,41 @@ def copy_region(
                 target, lambda at, host: item.read_into_tensor(start + at, host, True), pool
             )
             return
-        staging, transient = _staging(numel, rec.dtype)
-        item.read_into_tensor(start, staging, transient)
-        target.copy_(staging.view(lengths))
+        target.copy_(_read_staged(item, start, numel, rec.dtype).view(lengths))
         return
-    staging, transient = _staging(span, rec.dtype)
-    item.read_into_tensor(start, staging, transient)
-    target.copy_(staging.as_strided(lengths, strides))
+    target.copy_(_read_staged(item, start, span, rec.dtype).as_strided(lengths, strides))
 
 
 _scratch = threading.local()
 
 
-def _staging(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """A host buffer of ``numel`` elements for bytes copied on into a destination, and
-    whether it is this thread's reused one (``transient``: the reader verifies what it
-    read into it before it is reused). Up to ``STAGING_BUFFER_BYTES``, the thread's
-    buffer, grown as needed (a resharding load reads many such regions: one buffer, not
-    a fresh allocation and its page faults per region); larger, a buffer of its own."""
-    nbytes = numel * _itemsize(dtype)
-    if nbytes > knobs.STAGING_BUFFER_BYTES.get():
-        return torch.empty(numel, dtype=dtype), False
+def _read_staged(item: ItemBytes, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` from item offset ``start``, read into host memory
+    for a copy into the destination. Up to ``STAGING_BUFFER_BYTES``, into this thread's
+    reused buffer (a resharding load reads many regions: one buffer, not a fresh
+    allocation and its page faults per region), read from and to whole checksum blocks:
+    the reader verifies them before the buffer is reused, with no partial block to keep
+    a copy of. Larger, into a buffer of its own."""
+    size = _itemsize(dtype)
+    nbytes = numel * size
+    cap = knobs.STAGING_BUFFER_BYTES.get()
+    block = item.verifier.block_bytes if item.verifier is not None else 0
+    lo, hi = start, start + nbytes
+    if block and nbytes <= cap:
+        lo, hi = lo // block * block, min(-(-hi // block) * block, item.length)
+    lead = -(start - lo) % size  # puts the elements on an element boundary
+    need = lead + hi - lo
+    if nbytes > cap:
+        out = torch.empty(numel, dtype=dtype)
+        item.read_into_tensor(start, out)
+        return out
     buf: torch.Tensor | None = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        size = max(nbytes, 2 * buf.numel() if buf is not None else 0)
-        buf = _scratch.buf = torch.empty(
-            min(size, max(nbytes, knobs.STAGING_BUFFER_BYTES.get())), dtype=torch.uint8
-        )
-    return buf[:nbytes].view(dtype), True
+    if buf is None or buf.numel() < need:
+        grown = max(need, 2 * buf.numel() if buf is not None else 0)
+        buf = _scratch.buf = torch.empty(min(grown, max(need, cap + 2 * block)), dtype=torch.uint8)
+    item.read_into_tensor(lo, buf[lead:need], True)
+    at = lead + start - lo
+    return buf[at : at + nbytes].view(dtype)
 
 
 def copy_region_torch_load(item: ItemBytes, read_item: ReadItem, target: torch.Tensor) -> None:
