@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,3 +31,19 @@ def bench_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ, TMPDIR=str(tmp_path), MASTER_PORT=str(port))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
+
+
+def run_bench(
+    script: str, args: list[str], tmp_path: Path, ranks: int = 1, timeout: float = 300
+) -> list[str]:
+    """Run ``bench/<script>`` (see :func:`bench_command`) in :func:`bench_env`; assert it
+    succeeded and return its output lines."""
+    proc = subprocess.run(
+        bench_command(script, args, ranks),
+        env=bench_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout.splitlines()

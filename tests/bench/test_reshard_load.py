@@ -3,27 +3,18 @@ count, each load checked bit for bit by the benchmark itself."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.bench.launch import bench_command, bench_env
+from tests.bench.launch import run_bench
 
 
 @pytest.mark.slow
 def test_reshard_load_prints_a_row_per_case_method_and_rank_count(tmp_path: Path) -> None:
     args = ["--mib", "2", "--count", "4", "--save-ranks", "2", "--load-ranks", "1,4"]
     args += ["--loads", "1", "--root", str(tmp_path / "c"), "--methods", "torch_dist,raw_bytes"]
-    proc = subprocess.run(
-        bench_command("reshard_load.py", args),
-        env=bench_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    lines = proc.stdout.splitlines()
+    lines = run_bench("reshard_load.py", args, tmp_path)
     assert lines[0].startswith("4 tensors of (1024, 128) float32, 2 MiB, saved by 2"), lines
     rows = [line.split() for line in lines[2:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [
@@ -31,5 +22,5 @@ def test_reshard_load_prints_a_row_per_case_method_and_rank_count(tmp_path: Path
         for case in ("grid", "flat")
         for method in ("torch_dist", "raw_bytes")
         for ranks in ("1", "4")
-    ], proc.stdout
-    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), proc.stdout
+    ], lines
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), lines

@@ -41,6 +41,7 @@ import torch
 from ..._shard_geometry import box_intersection, box_slices, flat_range_rows
 from ...errors import CheckpointingException, CorruptCheckpointError, ShapeMismatchError
 from ...mapping import ShardedObject, ShardedTensor
+from ..storage.checksums import whole_blocks
 from ..storage.overlaps import overlapping
 from ..storage.staging_pool import StagingPool, shared_pool
 from ..storage.tensor_bytes import buffer_of
@@ -254,7 +255,7 @@ class LoadPlanner:
         the whole checksum blocks among them straight into it, the partial ones at its
         ends as staged reads of their whole blocks. ``into``: where to note the reads
         that land in a request's memory."""
-        lo_b, hi_b = self._block_bounds(lo, hi, self._length[row])
+        lo_b, hi_b = whole_blocks(lo, hi, self.index.block_bytes, self._length[row])
         bb = self.index.block_bytes
         a = lo if lo == lo_b else min(hi_b, lo_b + bb)  # the whole blocks: [a, b)
         b = hi if hi == hi_b else hi // bb * bb
@@ -403,7 +404,7 @@ class LoadPlanner:
                 into.append(len(self.plan.reads))
             self.plan.reads.append(self._read(row, 0, length, buffer_of(dst)))
             return
-        lo_b, hi_b = self._block_bounds(want_lo, want_hi, length)
+        lo_b, hi_b = whole_blocks(want_lo, want_hi, self.index.block_bytes, length)
         # The block bounds need not fall on elements (any block size is valid): lead the
         # staging buffer with the bytes that put the wanted rows on an element boundary.
         lead = -(want_lo - lo_b) % itemsize
@@ -420,13 +421,6 @@ class LoadPlanner:
         if into is not None:
             into.append(len(self.plan.reads))
         self.plan.reads.append(read)
-
-    def _block_bounds(self, lo: int, hi: int, length: int) -> tuple[int, int]:
-        """``[lo, hi)`` widened to whole checksum blocks of an entry of ``length`` bytes."""
-        bb = self.index.block_bytes
-        if not bb:
-            return lo, hi
-        return lo // bb * bb, min(-(-hi // bb) * bb, length)
 
     def _flat_rows(
         self,

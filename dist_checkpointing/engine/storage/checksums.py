@@ -55,6 +55,14 @@ def crc_each(buffers: Iterable[Any]) -> list[int]:
     return list(map(_crc32c.crc32c, buffers))
 
 
+def whole_blocks(lo: int, hi: int, block_bytes: int, length: int) -> tuple[int, int]:
+    """Bytes ``[lo, hi)`` of an item of ``length`` bytes widened to whole checksum blocks
+    (the last one may end at the item's end); unchanged without blocks (0)."""
+    if not block_bytes:
+        return lo, hi
+    return lo // block_bytes * block_bytes, min(-(-hi // block_bytes) * block_bytes, length)
+
+
 def block_crcs(data: Any, block_bytes: int) -> list[int]:
     """The CRC32C of each ``block_bytes`` block of ``data`` (one entry for empty data)."""
     view = memoryview(data).cast("B")
@@ -307,5 +315,6 @@ __all__ = [
     "crc",
     "crc_each",
     "hashing_thread",
+    "whole_blocks",
     "zip_crc32",
 ]

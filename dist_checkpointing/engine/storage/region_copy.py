@@ -21,6 +21,7 @@ from ...errors import CheckpointingException, CorruptCheckpointError
 from .. import knobs
 from ..safety import safe_torch_load
 from .byte_ranges import ItemBytes
+from .checksums import whole_blocks
 from .item_reader import TensorRecord
 from .staging_pool import fill_from_host, shared_pool
 from .tensor_bytes import contiguous_strides
@@ -99,8 +100,8 @@ def _read_staged(item: ItemBytes, start: int, numel: int, dtype: torch.dtype) ->
     cap = knobs.STAGING_BUFFER_BYTES.get()
     block = item.verifier.block_bytes if item.verifier is not None else 0
     lo, hi = start, start + nbytes
-    if block and nbytes <= cap:
-        lo, hi = lo // block * block, min(-(-hi // block) * block, item.length)
+    if nbytes <= cap:
+        lo, hi = whole_blocks(lo, hi, block, item.length)
     lead = -(start - lo) % size  # puts the elements on an element boundary
     need = lead + hi - lo
     if nbytes > cap:
