@@ -98,16 +98,14 @@ def _read_staged(item: ItemBytes, start: int, numel: int, dtype: torch.dtype) ->
     size = _itemsize(dtype)
     nbytes = numel * size
     cap = knobs.STAGING_BUFFER_BYTES.get()
-    block = item.verifier.block_bytes if item.verifier is not None else 0
-    lo, hi = start, start + nbytes
-    if nbytes <= cap:
-        lo, hi = whole_blocks(lo, hi, block, item.length)
-    lead = -(start - lo) % size  # puts the elements on an element boundary
-    need = lead + hi - lo
     if nbytes > cap:
         out = torch.empty(numel, dtype=dtype)
         item.read_into_tensor(start, out)
         return out
+    block = item.verifier.block_bytes if item.verifier is not None else 0
+    lo, hi = whole_blocks(start, start + nbytes, block, item.length)
+    lead = -(start - lo) % size  # puts the elements on an element boundary
+    need = lead + hi - lo
     buf: torch.Tensor | None = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < need:
         grown = max(need, 2 * buf.numel() if buf is not None else 0)
