@@ -27,8 +27,8 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.engine.checkpoint import commit
 from dist_checkpointing.engine.raw import load as raw_load
-from dist_checkpointing.engine.raw.load_plan import LoadPlan
 from dist_checkpointing.engine.raw.reader import RawReader
+from dist_checkpointing.engine.raw.reshard_plan import LoadPlan
 from dist_checkpointing.engine.storage.location import CheckpointDir
 from dist_checkpointing.engine.storage.staging_pool import StagingPool
 from dist_checkpointing.errors import ChecksumMismatchError

@@ -24,8 +24,9 @@ from ..storage.location import CheckpointDir
 from ..storage.staging_pool import callers_stream, fill_from_host
 from ..storage.tensor_bytes import buffer_of
 from .index import INDEX_NAME, KIND_FLAT, KIND_OBJECT, RawIndex, parse_index
-from .load_plan import LoadPlan, LoadPlanner, finish_objects
+from .load_plan import LoadPlanner, finish_objects
 from .reader import RawReader, Read
+from .reshard_plan import LoadPlan
 
 
 def read_index(ckpt: CheckpointDir) -> RawIndex:

@@ -4,102 +4,42 @@ Every request (a ShardedTensor block, a flat range of one, or a ShardedObject)
 is matched against the stored entries of its key in the index:
 
 - the same chunk stored (the layout did not change): one :class:`~.reader.Read`
-  straight into the destination tensor's memory;
-- otherwise the request becomes a *target box* (the block, or the rows of the
-  block a flat range touches), filled from every stored entry whose box meets
-  it. A stored grid chunk contributes the rows that meet the box: read straight
-  into the destination when those rows are one contiguous run of it, else a
-  *staged* read (:class:`~.reader.Staged`): the reader lands the rows in its
-  reused staging memory and copies what the box wants out of them as soon as
-  they are verified, so a resharding load holds a bounded amount of staging
-  memory, not a copy of everything it reads. Stored flat ranges contribute
-  through the rows of their block that meet the box, assembled from the parts
-  of the flat entries that hold them, copied once every read is done; a
-  staging box (a destination of another dtype, or not contiguous) is copied
-  into the destination last.
+  straight into the destination tensor's memory (a whole entry for an
+  accelerator destination streams through the staging pool once the reads are
+  done);
+- otherwise the request is planned by :class:`~.reshard_plan.ReshardPlanner`
+  (resharding: flat ranges, boxes, staged reads).
 
-A flat range requested from flat ranges of the same block (a distributed
-optimizer's state with another data-parallel size) skips the boxes: each stored
-range's overlap with it is read into it.
-
-Reads that cover part of an entry start and end on checksum block boundaries
-(the extra bytes are at most one block on each side), so the reader can verify
-every block it reads.
+A request's memory that overlaps another's (one tensor requested under two
+keys) gets private buffers for its reads, copied over once every read is done
+(:meth:`LoadPlanner.finish`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 
-from ..._shard_geometry import box_intersection, box_slices, flat_range_rows
-from ...errors import CheckpointingException, CorruptCheckpointError, ShapeMismatchError
+from ...errors import CheckpointingException, ShapeMismatchError
 from ...mapping import ShardedObject, ShardedTensor
-from ..storage.checksums import whole_blocks
 from ..storage.overlaps import overlapping
-from ..storage.staging_pool import StagingPool, shared_pool
+from ..storage.staging_pool import shared_pool
 from ..storage.tensor_bytes import buffer_of
-from .index import DTYPES, ITEMSIZE, KIND_FLAT, KIND_GRID, KIND_OBJECT, RawIndex
-from .reader import Read, Staged
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-@dataclass
-class LoadPlan:
-    """The reads of one load, then the copies that run once every read is done."""
-
-    reads: list[Read] = field(default_factory=list)
-    copies: list[Callable[[], None]] = field(default_factory=list)
-    objects: list[tuple[ShardedObject, bytearray]] = field(default_factory=list)
-    # Accelerator destinations of whole entries: (row, tensor), each streamed through
-    # ``pool`` once the reads are done (:func:`.load.fill_devices`).
-    device_fills: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    pool: StagingPool | None = None
-
-
-def _host_view(
-    data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
-) -> torch.Tensor | None:
-    """``data`` viewed as ``shape`` if reads may land in it directly."""
-    if not data.is_cpu or data.dtype != dtype or not data.is_contiguous():
-        return None
-    return data.view(shape)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src.reshape(dst.shape))
+from .index import KIND_FLAT, KIND_GRID, KIND_OBJECT
+from .reader import Read
+from .reshard_plan import LoadPlan, ReshardPlanner, copy_reshaped
 
 
 def _copy_bytes(address: int, src: torch.Tensor) -> None:
     ctypes.memmove(address, src.data_ptr(), src.numel())
 
 
-class LoadPlanner:
+class LoadPlanner(ReshardPlanner):
     """Builds the :class:`LoadPlan` of one rank's request (see the module docstring)."""
-
-    def __init__(self, index: RawIndex) -> None:
-        self.index = index
-        self._pool_known = False  # the staging pool is looked up at the first device target
-        c = index.columns
-        self._offsets, self._length = c["offset"], c["length"]
-        self._kind, self._ndim, self._dims_start = c["kind"], c["ndim"], c["dims_start"]
-        self._flat_start, self._flat_stop, self._dtype = c["flat_start"], c["flat_stop"], c["dtype"]
-        self._dims = index.dims_list
-        self._by_key = index.rows_by_key
-        self._dtypes = [DTYPES[name] for name in index.dtypes]
-        self.plan = LoadPlan()
-        # The reads that land in a request's memory, a group per request: its memory's
-        # address and bytes, the group's indexes in plan.reads (see _isolate_shared).
-        self._groups: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
-        # While a request is planned from boxes into its own memory: the reads landing there.
-        self._into_request: list[int] | None = None
 
     def finish(self) -> LoadPlan:
         self._isolate_shared()
@@ -193,7 +133,7 @@ class LoadPlanner:
             return
         else:
             dest = torch.empty(data.shape, dtype=dtype)
-            self.plan.copies.append(partial(_copy, data, dest))
+            self.plan.copies.append(partial(copy_reshaped, data, dest))
         buf = (ctypes.c_char * length).from_address(dest.data_ptr()) if length else b""
         if length and dest is data:  # straight into the request: see _isolate_shared
             starts, lengths, groups = self._groups
@@ -201,84 +141,6 @@ class LoadPlanner:
             lengths.append(length)
             groups.append([len(self.plan.reads)])
         self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
-
-    def _add_flat(
-        self, sh: ShardedTensor, rows: list[int], offset: list[int], block: list[int]
-    ) -> bool:
-        """A flat range of a block whose stored entries are flat ranges of that same block
-        (a distributed optimizer's state saved with another data-parallel size): each
-        entry's overlap with the request is read into it, not the whole block assembled
-        first (every rank read and held all of every block it touched). False where the
-        stored flat ranges of the block do not cover the request exactly once: the caller
-        plans boxes."""
-        fr = sh.flattened_range
-        assert fr is not None and sh.data is not None
-        d, kinds, starts, ndims = self._dims, self._kind, self._dims_start, self._ndim
-        parts = []
-        for row in rows:
-            n, at = ndims[row], starts[row]
-            if kinds[row] != KIND_FLAT or d[at + n : at + 2 * n] != offset:
-                continue
-            if d[at + 2 * n : at + 3 * n] != block:
-                continue
-            lo, hi = max(fr.start, self._flat_start[row]), min(fr.stop, self._flat_stop[row])
-            if lo < hi:
-                parts.append((row, lo, hi))
-        if sum(hi - lo for _, lo, hi in parts) != fr.stop - fr.start:
-            return False
-        dtypes = {self._dtype[row] for row, _, _ in parts}
-        if len(dtypes) != 1:
-            return False
-        dtype = self._dtypes[dtypes.pop()]
-        data = sh.data
-        dest = _host_view(data, dtype, (fr.stop - fr.start,))
-        into: list[int] | None = [] if dest is not None else None
-        if dest is None:  # on a device, or of another dtype: a host buffer, copied last
-            dest = torch.empty(fr.stop - fr.start, dtype=dtype)
-            self.plan.copies.append(partial(_copy, data, dest))
-        # (A contiguous tensor of one element may have any stride: as_strided gives 1.)
-        out, size = dest.as_strided((dest.numel(),), (1,)).view(torch.uint8), ITEMSIZE[dtype]
-        for row, lo, hi in parts:
-            first, at = self._flat_start[row], (lo - fr.start) * size
-            target = out[at : at + (hi - lo) * size]
-            self._read_bytes(row, (lo - first) * size, (hi - first) * size, target, into)
-        if into:  # one group: the request's memory (see _isolate_shared)
-            self._groups[0].append(dest.data_ptr())
-            self._groups[1].append(dest.nbytes)
-            self._groups[2].append(into)
-        return True
-
-    def _read_bytes(
-        self, row: int, lo: int, hi: int, target: torch.Tensor, into: list[int] | None
-    ) -> None:
-        """Read bytes ``[lo, hi)`` of entry ``row`` into ``target`` (``uint8``, contiguous):
-        the whole checksum blocks among them straight into it, the partial ones at its
-        ends as staged reads of their whole blocks. ``into``: where to note the reads
-        that land in a request's memory."""
-        lo_b, hi_b = whole_blocks(lo, hi, self.index.block_bytes, self._length[row])
-        bb = self.index.block_bytes
-        a = lo if lo == lo_b else min(hi_b, lo_b + bb)  # the whole blocks: [a, b)
-        b = hi if hi == hi_b else hi // bb * bb
-        spans = [(lo_b, hi_b, lo, hi)] if a >= b else [(lo_b, a, lo, a), (a, b, a, b)]
-        if a < b:
-            spans.append((b, hi_b, b, hi))
-        for start, stop, want_lo, want_hi in spans:
-            if want_lo == want_hi:
-                continue
-            piece = target[want_lo - lo : want_hi - lo]
-            if (start, stop) == (want_lo, want_hi):
-                read = self._read(row, start, stop - start, buffer_of(piece))
-            else:
-                at = want_lo - start
-
-                def deliver(buf: torch.Tensor, piece: torch.Tensor = piece, at: int = at) -> None:
-                    piece.copy_(buf[at : at + piece.numel()])
-
-                read = self._read(row, start, stop - start, None)
-                read.stage = Staged(0, deliver)
-            if into is not None:
-                into.append(len(self.plan.reads))
-            self.plan.reads.append(read)
 
     def _streams(self, length: int) -> bool:
         """Whether an entry of ``length`` bytes for an accelerator destination streams
@@ -294,172 +156,6 @@ class LoadPlanner:
         pool = self.plan.pool
         return pool is not None and length >= pool.buffer_bytes // 8
 
-    def _read(self, row: int, entry_offset: int, length: int, dest: Any) -> Read:
-        return Read(row, entry_offset, length, dest, self._offsets[row] + entry_offset)
-
-    # ------------------------------------------------------------------ resharding
-
-    def _add_boxes(
-        self, sh: ShardedTensor, rows: list[int], offset: tuple[int, ...], block: tuple[int, ...]
-    ) -> None:
-        data = sh.data
-        assert data is not None
-        dtype = self.index.dtype_of(rows[0])
-        fr = sh.flattened_range
-        finish: Callable[[torch.Tensor], None] | None = None
-        into_request = None
-        if fr is None:
-            box: Box = (offset, block)
-            out = _host_view(data, dtype, block)
-            if out is not None and out.nbytes:
-                into_request = self._into_request = []
-            if out is None:
-                out = self._alloc(block, dtype, sh.allow_shape_mismatch)
-
-                def finish(o: torch.Tensor) -> None:
-                    data.copy_(o.reshape(data.shape))
-        else:
-            first, last = flat_range_rows(block, fr)
-            box = ((offset[0] + first,) + offset[1:], (last - first,) + block[1:])
-            out = self._alloc(box[1], dtype, sh.allow_shape_mismatch)
-            start = fr.start - first * math.prod(block[1:])
-
-            def finish(o: torch.Tensor) -> None:
-                data.copy_(o.reshape(-1)[start : start + data.numel()])
-
-        covered = 0
-        seen: set[tuple[int, ...]] = set()  # flat blocks already used (one per block)
-        try:
-            for row in rows:
-                covered += self._fill_from(row, sh.key, box, out, seen)
-        finally:
-            self._into_request = None
-        if into_request:  # one group: the request's memory (see _isolate_shared)
-            starts, lengths, groups = self._groups
-            starts.append(out.data_ptr())
-            lengths.append(out.nbytes)
-            groups.append(into_request)
-        if covered != math.prod(box[1]) and not sh.allow_shape_mismatch:
-            raise CorruptCheckpointError(
-                f"'{sh.key}': the checkpoint's chunks cover {covered} of the "
-                f"{math.prod(box[1])} requested elements at offsets {box[0]}"
-            )
-        if finish is not None:
-            self.plan.copies.append(partial(finish, out))
-
-    @staticmethod
-    def _alloc(shape: tuple[int, ...], dtype: torch.dtype, zeros: bool) -> torch.Tensor:
-        return (torch.zeros if zeros else torch.empty)(shape, dtype=dtype)
-
-    def _fill_from(
-        self, row: int, key: str, box: Box, out: torch.Tensor, seen: set[tuple[int, ...]]
-    ) -> int:
-        """Plan what entry ``row`` contributes to ``out`` (the target ``box``); returns
-        the number of elements it covers."""
-        c = self.index.columns
-        _, o, s = self.index.box(row)
-        inter = box_intersection((o, s), box)
-        if inter is None:
-            return 0
-        lo, size = inter
-        dst = out[box_slices(tuple(a - b for a, b in zip(lo, box[0])), size)]
-        if c["kind"][row] == KIND_FLAT:
-            if o in seen:
-                return 0
-            seen.add(o)
-            first = lo[0] - o[0] if s else 0  # the rows of the stored block that meet the box
-            stored = self._flat_rows(key, o, s, self.index.dtype_of(row), first, size[:1])
-            at = (0,) + tuple(a - b for a, b in zip(lo[1:], o[1:])) if s else ()
-            src = stored[box_slices(at, size)]
-            self.plan.copies.append(partial(_copy, dst, src))
-        elif c["kind"][row] == KIND_GRID:
-            self._rows_of_grid(row, o, s, lo, size, dst)
-        else:
-            raise CheckpointingException(f"'{key}' is stored as an object, requested as a tensor")
-        return math.prod(size)
-
-    def _rows_of_grid(
-        self,
-        row: int,
-        o: tuple[int, ...],
-        s: tuple[int, ...],
-        lo: tuple[int, ...],
-        size: tuple[int, ...],
-        dst: torch.Tensor,
-    ) -> None:
-        """Read the rows (axis 0) of grid entry ``row`` that meet the box ``(lo, size)``."""
-        dtype = self.index.dtype_of(row)
-        itemsize = ITEMSIZE[dtype]
-        length = self.index.columns["length"][row]
-        if not s:  # a 0-d tensor: its one element
-            r0, r1, row_bytes = 0, 1, length
-        else:
-            r0, r1 = lo[0] - o[0], lo[0] - o[0] + size[0]
-            row_bytes = math.prod(s[1:]) * itemsize
-        want_lo, want_hi = r0 * row_bytes, r1 * row_bytes
-        whole = want_lo == 0 and want_hi == length
-        into = self._into_request
-        if whole and tuple(size[1:]) == tuple(s[1:]) and dst.is_contiguous() and dst.dtype == dtype:
-            if into is not None and length:
-                into.append(len(self.plan.reads))
-            self.plan.reads.append(self._read(row, 0, length, buffer_of(dst)))
-            return
-        lo_b, hi_b = whole_blocks(want_lo, want_hi, self.index.block_bytes, length)
-        # The block bounds need not fall on elements (any block size is valid): lead the
-        # staging buffer with the bytes that put the wanted rows on an element boundary.
-        lead = -(want_lo - lo_b) % itemsize
-        rows_shape = (r1 - r0,) + tuple(s[1:])
-        sub = tuple(slice(a - b, a - b + n) for a, b, n in zip(lo[1:], o[1:], size[1:]))
-        at = lead + want_lo - lo_b
-
-        def deliver(buf: torch.Tensor) -> None:
-            part = buf[at : at + want_hi - want_lo].view(dtype).view(rows_shape)
-            dst.copy_(part[(slice(None),) + sub] if s else part.reshape(dst.shape))
-
-        read = self._read(row, lo_b, hi_b - lo_b, None)
-        read.stage = Staged(lead, deliver)
-        if into is not None:
-            into.append(len(self.plan.reads))
-        self.plan.reads.append(read)
-
-    def _flat_rows(
-        self,
-        key: str,
-        o: tuple[int, ...],
-        s: tuple[int, ...],
-        dtype: torch.dtype,
-        first: int,
-        count: tuple[int, ...],
-    ) -> torch.Tensor:
-        """Rows ``first`` to ``first + count[0]`` (all of a 0-d block) of the stored block
-        at ``o``, assembled from the parts of its flat entries that hold them (read
-        straight in where they span whole checksum blocks, else staged): only what the
-        request needs, not the whole block (a data-parallel rank's request meets a small
-        part of each block)."""
-        per_row = math.prod(s[1:])
-        a = first * per_row
-        b = a + (count[0] * per_row if s else 1)
-        rows = torch.empty(b - a, dtype=dtype)
-        out, size = rows.view(torch.uint8), ITEMSIZE[dtype]
-        c = self.index.columns
-        covered = 0
-        for row in self.index.rows_by_key[key]:
-            if c["kind"][row] != KIND_FLAT or self.index.box(row)[1] != o:
-                continue
-            start = c["flat_start"][row]
-            lo, hi = max(a, start), min(b, c["flat_stop"][row])
-            if lo >= hi:
-                continue
-            target = out[(lo - a) * size : (hi - a) * size]
-            self._read_bytes(row, (lo - start) * size, (hi - start) * size, target, None)
-            covered += hi - lo
-        if covered != b - a:
-            raise CorruptCheckpointError(
-                f"'{key}': the flat ranges stored for the block at {o} cover {covered} of "
-                f"the {b - a} elements of its flattening [{a}, {b}) requested"
-            )
-        return rows.view(((count[0],) + s[1:]) if s else s)
-
 
 def finish_objects(plan: LoadPlan, load: Callable[[bytes, str], Any]) -> None:
     """Unpickle the objects read (through ``load``, the restricted loader)."""
@@ -467,4 +163,4 @@ def finish_objects(plan: LoadPlan, load: Callable[[bytes, str], Any]) -> None:
         sh.data = load(bytes(buf), sh.unique_key)
 
 
-__all__ = ["LoadPlan", "LoadPlanner", "finish_objects"]
+__all__ = ["LoadPlanner", "finish_objects"]
