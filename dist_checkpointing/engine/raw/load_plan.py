@@ -136,10 +136,7 @@ class LoadPlanner(ReshardPlanner):
             self.plan.copies.append(partial(copy_reshaped, data, dest))
         buf = (ctypes.c_char * length).from_address(dest.data_ptr()) if length else b""
         if length and dest is data:  # straight into the request: see _isolate_shared
-            starts, lengths, groups = self._groups
-            starts.append(dest.data_ptr())
-            lengths.append(length)
-            groups.append([len(self.plan.reads)])
+            self._note_group(dest, [len(self.plan.reads)])
         self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
 
     def _streams(self, length: int) -> bool:

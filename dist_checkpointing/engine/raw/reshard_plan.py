@@ -90,11 +90,51 @@ class ReshardPlanner:
         # The reads that land in a request's memory, a group per request: its memory's
         # address and bytes, the group's indexes in plan.reads (see _isolate_shared).
         self._groups: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
-        # While a request is planned from boxes into its own memory: the reads landing there.
-        self._into_request: list[int] | None = None
 
     def _read(self, row: int, entry_offset: int, length: int, dest: Any) -> Read:
         return Read(row, entry_offset, length, dest, self._offsets[row] + entry_offset)
+
+    def _note_group(self, memory: torch.Tensor, reads: list[int]) -> None:
+        """Note that ``reads`` (indexes in plan.reads) land in one request's ``memory``
+        (see ``LoadPlanner._isolate_shared``)."""
+        starts, lengths, groups = self._groups
+        starts.append(memory.data_ptr())
+        lengths.append(memory.nbytes)
+        groups.append(reads)
+
+    def _flat_parts(
+        self, rows: list[int], offset: list[int], block: list[int], a: int, b: int
+    ) -> list[tuple[int, int, int]]:
+        """``(row, lo, hi)`` for each stored flat range of the block at ``offset`` of
+        shape ``block`` that meets elements ``[a, b)`` of its flattening, ``[lo, hi)``
+        where it does."""
+        d, kinds, starts, ndims = self._dims, self._kind, self._dims_start, self._ndim
+        parts = []
+        for row in rows:
+            n, at = ndims[row], starts[row]
+            if kinds[row] != KIND_FLAT or d[at + n : at + 2 * n] != offset:
+                continue
+            if d[at + 2 * n : at + 3 * n] != block:
+                continue
+            lo, hi = max(a, self._flat_start[row]), min(b, self._flat_stop[row])
+            if lo < hi:
+                parts.append((row, lo, hi))
+        return parts
+
+    def _read_parts(
+        self,
+        parts: list[tuple[int, int, int]],
+        a: int,
+        out: torch.Tensor,
+        size: int,
+        into: list[int] | None,
+    ) -> None:
+        """Read each of ``parts`` (see :meth:`_flat_parts`) into ``out`` (``uint8``: the
+        elements from ``a`` on, ``size`` bytes each)."""
+        for row, lo, hi in parts:
+            first = self._flat_start[row]
+            target = out[(lo - a) * size : (hi - a) * size]
+            self._read_bytes(row, (lo - first) * size, (hi - first) * size, target, into)
 
     def _add_flat(
         self, sh: ShardedTensor, rows: list[int], offset: list[int], block: list[int]
@@ -107,17 +147,7 @@ class ReshardPlanner:
         plans boxes."""
         fr = sh.flattened_range
         assert fr is not None and sh.data is not None
-        d, kinds, starts, ndims = self._dims, self._kind, self._dims_start, self._ndim
-        parts = []
-        for row in rows:
-            n, at = ndims[row], starts[row]
-            if kinds[row] != KIND_FLAT or d[at + n : at + 2 * n] != offset:
-                continue
-            if d[at + 2 * n : at + 3 * n] != block:
-                continue
-            lo, hi = max(fr.start, self._flat_start[row]), min(fr.stop, self._flat_stop[row])
-            if lo < hi:
-                parts.append((row, lo, hi))
+        parts = self._flat_parts(rows, offset, block, fr.start, fr.stop)
         if sum(hi - lo for _, lo, hi in parts) != fr.stop - fr.start:
             return False
         dtypes = {self._dtype[row] for row, _, _ in parts}
@@ -131,15 +161,10 @@ class ReshardPlanner:
             dest = torch.empty(fr.stop - fr.start, dtype=dtype)
             self.plan.copies.append(partial(copy_reshaped, data, dest))
         # (A contiguous tensor of one element may have any stride: as_strided gives 1.)
-        out, size = dest.as_strided((dest.numel(),), (1,)).view(torch.uint8), ITEMSIZE[dtype]
-        for row, lo, hi in parts:
-            first, at = self._flat_start[row], (lo - fr.start) * size
-            target = out[at : at + (hi - lo) * size]
-            self._read_bytes(row, (lo - first) * size, (hi - first) * size, target, into)
-        if into:  # one group: the request's memory (see _isolate_shared)
-            self._groups[0].append(dest.data_ptr())
-            self._groups[1].append(dest.nbytes)
-            self._groups[2].append(into)
+        out = dest.as_strided((dest.numel(),), (1,)).view(torch.uint8)
+        self._read_parts(parts, fr.start, out, ITEMSIZE[dtype], into)
+        if into:
+            self._note_group(dest, into)
         return True
 
     def _read_bytes(
@@ -182,12 +207,12 @@ class ReshardPlanner:
         dtype = self.index.dtype_of(rows[0])
         fr = sh.flattened_range
         finish: Callable[[torch.Tensor], None] | None = None
-        into_request = None
+        into: list[int] | None = None  # the reads that land in the request's memory
         if fr is None:
             box: Box = (offset, block)
             out = _host_view(data, dtype, block)
             if out is not None and out.nbytes:
-                into_request = self._into_request = []
+                into = []
             if out is None:
                 out = self._alloc(block, dtype, sh.allow_shape_mismatch)
 
@@ -204,16 +229,10 @@ class ReshardPlanner:
 
         covered = 0
         seen: set[tuple[int, ...]] = set()  # flat blocks already used (one per block)
-        try:
-            for row in rows:
-                covered += self._fill_from(row, sh.key, box, out, seen)
-        finally:
-            self._into_request = None
-        if into_request:  # one group: the request's memory (see _isolate_shared)
-            starts, lengths, groups = self._groups
-            starts.append(out.data_ptr())
-            lengths.append(out.nbytes)
-            groups.append(into_request)
+        for row in rows:
+            covered += self._fill_from(row, sh.key, box, out, seen, into)
+        if into:
+            self._note_group(out, into)
         if covered != math.prod(box[1]) and not sh.allow_shape_mismatch:
             raise CorruptCheckpointError(
                 f"'{sh.key}': the checkpoint's chunks cover {covered} of the "
@@ -227,10 +246,17 @@ class ReshardPlanner:
         return (torch.zeros if zeros else torch.empty)(shape, dtype=dtype)
 
     def _fill_from(
-        self, row: int, key: str, box: Box, out: torch.Tensor, seen: set[tuple[int, ...]]
+        self,
+        row: int,
+        key: str,
+        box: Box,
+        out: torch.Tensor,
+        seen: set[tuple[int, ...]],
+        into: list[int] | None,
     ) -> int:
         """Plan what entry ``row`` contributes to ``out`` (the target ``box``); returns
-        the number of elements it covers."""
+        the number of elements it covers. ``into``: where to note the reads that land in
+        ``out`` when it is the request's memory."""
         c = self.index.columns
         _, o, s = self.index.box(row)
         inter = box_intersection((o, s), box)
@@ -248,7 +274,7 @@ class ReshardPlanner:
             src = stored[box_slices(at, size)]
             self.plan.copies.append(partial(copy_reshaped, dst, src))
         elif c["kind"][row] == KIND_GRID:
-            self._rows_of_grid(row, o, s, lo, size, dst)
+            self._rows_of_grid(row, o, s, lo, size, dst, into)
         else:
             raise CheckpointingException(f"'{key}' is stored as an object, requested as a tensor")
         return math.prod(size)
@@ -261,6 +287,7 @@ class ReshardPlanner:
         lo: tuple[int, ...],
         size: tuple[int, ...],
         dst: torch.Tensor,
+        into: list[int] | None,
     ) -> None:
         """Read the rows (axis 0) of grid entry ``row`` that meet the box ``(lo, size)``."""
         dtype = self.index.dtype_of(row)
@@ -273,7 +300,6 @@ class ReshardPlanner:
             row_bytes = math.prod(s[1:]) * itemsize
         want_lo, want_hi = r0 * row_bytes, r1 * row_bytes
         whole = want_lo == 0 and want_hi == length
-        into = self._into_request
         if whole and tuple(size[1:]) == tuple(s[1:]) and dst.is_contiguous() and dst.dtype == dtype:
             if into is not None and length:
                 into.append(len(self.plan.reads))
@@ -315,19 +341,9 @@ class ReshardPlanner:
         a = first * per_row
         b = a + (count[0] * per_row if s else 1)
         rows = torch.empty(b - a, dtype=dtype)
-        out, size = rows.view(torch.uint8), ITEMSIZE[dtype]
-        c = self.index.columns
-        covered = 0
-        for row in self.index.rows_by_key[key]:
-            if c["kind"][row] != KIND_FLAT or self.index.box(row)[1] != o:
-                continue
-            start = c["flat_start"][row]
-            lo, hi = max(a, start), min(b, c["flat_stop"][row])
-            if lo >= hi:
-                continue
-            target = out[(lo - a) * size : (hi - a) * size]
-            self._read_bytes(row, (lo - start) * size, (hi - start) * size, target, None)
-            covered += hi - lo
+        parts = self._flat_parts(self.index.rows_by_key[key], list(o), list(s), a, b)
+        self._read_parts(parts, a, rows.view(torch.uint8), ITEMSIZE[dtype], None)
+        covered = sum(hi - lo for _, lo, hi in parts)
         if covered != b - a:
             raise CorruptCheckpointError(
                 f"'{key}': the flat ranges stored for the block at {o} cover {covered} of "
