@@ -272,8 +272,10 @@ def _send_or_receive_alone(
         else torch.empty(size, dtype=torch.uint8, device=group.device)
     )
     dist.broadcast(buffer, src=group.global_rank(owner), group=group.group)
-    if sh is not None:
-        result[shard_id] = target if target is not None else _from_bytes(buffer, sh)
+    if target is not None:
+        result[shard_id] = target
+    elif sh is not None:  # a strided or host destination: copied into it
+        _deliver(buffer, [(shard_id, 0, size)], {shard_id: sh}, result)
 
 
 @torch.no_grad()
@@ -288,8 +290,8 @@ def exchange_loaded_tensors_broadcast(
     collective per shard costs milliseconds each on gloo: minutes for 100,000), large ones
     alone, received straight into their destination tensor where it is contiguous.
 
-    Returns ``loaded_tensors`` plus every shard of ``unloaded_shards`` (on the CPU, or
-    the destination tensor itself where a shard landed there).
+    Returns ``loaded_tensors`` plus every shard of ``unloaded_shards``: its destination
+    tensor, filled, where the request has one; else a tensor on the CPU.
     """
     group = RankGroup(parallelization_group)
     result = dict(loaded_tensors)
@@ -307,16 +309,55 @@ def exchange_loaded_tensors_broadcast(
         dist.broadcast(bucket, src=group.global_rank(owner), group=parallelization_group)
         if owner == group.rank:
             continue
-        wanted = [e for e in entries if e[0] in unloaded_shards]
-        if not wanted:
-            continue
-        bucket = bucket.cpu()
-        whole = len(wanted) == len(entries)  # else copy out, not to keep the rest alive
-        for shard_id, offset, size in wanted:
-            data = bucket[offset : offset + size]
-            sh = unloaded_shards[shard_id]
-            result[shard_id] = _from_bytes(data if whole else data.clone(), sh)
+        _deliver(bucket, entries, unloaded_shards, result)
     return result
+
+
+def _deliver(
+    bucket: torch.Tensor,
+    entries: list[tuple[_ShardId, int, int]],
+    unloaded_shards: dict[_ShardId, ShardedTensor],
+    result: dict[_ShardId, torch.Tensor],
+) -> None:
+    """The shards this rank wanted from a received bucket, into ``result``: each copied
+    into its destination tensor where the request has one (so the bucket is free once
+    its broadcast is delivered: a load holds at most one bucket beyond its state), else
+    a CPU tensor over the bucket's bytes (a view when every shard of the bucket is
+    wanted, else a copy, not to keep the rest alive)."""
+    spare: list[tuple[_ShardId, int, int]] = []
+    for entry in entries:
+        shard_id, offset, size = entry
+        sh = unloaded_shards.get(shard_id)
+        if sh is None:
+            continue
+        target = _copy_target(sh, size)
+        if target is None:
+            spare.append(entry)
+            continue
+        if size:
+            target.copy_(bucket[offset : offset + size].view(target.dtype).view(target.shape))
+        result[shard_id] = target
+    if not spare:
+        return
+    bucket = bucket.cpu()
+    whole = len(spare) == len(entries)
+    for shard_id, offset, size in spare:
+        data = bucket[offset : offset + size]
+        result[shard_id] = _from_bytes(data if whole else data.clone(), unloaded_shards[shard_id])
+
+
+def _copy_target(sh: ShardedTensor, size: int) -> torch.Tensor | None:
+    """The destination tensor of ``sh`` if a received shard of ``size`` bytes can be
+    copied into it as is (any device and strides; its dtype and shape)."""
+    data = sh.data
+    if (
+        type(data) is torch.Tensor
+        and data.dtype == sh.dtype
+        and tuple(data.shape) == _shard_shape(sh)
+        and data.numel() * data.element_size() == size
+    ):
+        return data
+    return None
 
 
 def _merge_once(per_rank: list[dict[_ShardId, T]], what: str) -> dict[_ShardId, T]:
@@ -412,8 +453,8 @@ def _gather_round(
     for rank, shard_id in enumerate(round_ids):
         if shard_id is None or rank == group.rank or shard_id not in unloaded_shards:
             continue
-        sh = unloaded_shards[shard_id]
-        result[shard_id] = _from_bytes(buffers[rank][: sizes[rank]].clone(), sh)
+        entry = [(shard_id, 0, sizes[rank])]
+        _deliver(buffers[rank], entry, {shard_id: unloaded_shards[shard_id]}, result)
 
 
 _EXCHANGES: dict[str, Callable[..., dict[_ShardId, torch.Tensor]]] = {

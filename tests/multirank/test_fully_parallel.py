@@ -32,6 +32,7 @@ from dist_checkpointing.strategies.torch import (
 )
 from tests.support.harness import run_distributed
 from tests.support.layouts import reference_tensor
+from tests.support.memory import PeakRss
 
 TIMEOUT_S = 120.0
 NAMES = {"emb": (24, 8), "w1": (16, 12), "w2": (12, 16), "bias": (40,)}
@@ -450,3 +451,91 @@ def _cached_saves_as_the_main_replica_moves(root: str, layout: str) -> list[bool
 def test_the_save_cache_follows_the_main_replica(tmp_path: Path, layout: str) -> None:
     results = run_distributed(_cached_saves_as_the_main_replica_moves, 4, str(tmp_path), layout)
     assert results == [[True, True]] * 4, results
+
+
+def _held_by_every_rank(targets: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
+    """Each tensor of ``targets`` whole on every rank of the world (replica = rank)."""
+    rank = dist.get_rank()
+    return {k: ShardedTensor.from_rank_offsets(k, t, replica_id=rank) for k, t in targets.items()}
+
+
+def _bucketed_load_memory(ckpt: str, count: int, numel: int) -> dict[str, Any]:
+    """``count`` replicated float32 tensors of ``numel`` elements, saved, then loaded fully
+    parallel with 4 MiB buckets: the RSS the load added and the tensors that differ."""
+    os.environ["DIST_CKPT_EXCHANGE_BUCKET_BYTES"] = str(4 << 20)
+    full = {
+        f"m{i:04d}": reference_tensor(f"m{i:04d}", (numel,), torch.float32) for i in range(count)
+    }
+    dcp.save(_held_by_every_rank(full), ckpt)
+    targets = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
+    load = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+    dcp.load(_held_by_every_rank(targets), ckpt, sharded_strategy=load)  # warm-up
+    for t in targets.values():
+        t.fill_(float("nan"))
+    with PeakRss() as rss:
+        dcp.load(_held_by_every_rank(targets), ckpt, sharded_strategy=load)
+    return {
+        "added": rss.added,
+        "bad": [k for k, v in full.items() if not torch.equal(targets[k], v)],
+    }
+
+
+def test_a_fully_parallel_load_holds_at_most_a_bucket_beyond_its_state(tmp_path: Path) -> None:
+    """128 MiB in 2,048 tensors of 64 KiB on 2 ranks: each rank receives half of it in
+    packed broadcasts of 4 MiB, each copied into its destination tensors as it arrives; the
+    rest is the wrapped load's own reading (16-21 MiB measured). Before, every received
+    bucket stayed alive until the end: 64 MiB more."""
+    results = run_distributed(
+        _bucketed_load_memory, 2, str(tmp_path), 2048, 16384, timeout=TIMEOUT_S
+    )
+    for r in results:
+        assert r["bad"] == []
+        assert r["added"] < 40 << 20, r["added"]
+
+
+def _into_any_destination(ckpt: str, algo: str, bucket_bytes: str) -> list[str]:
+    """Replicated tensors loaded fully parallel into transposed (strided) destinations and
+    flat ranges, small (packed) and large (alone): the returned values are the request's own
+    tensors, and they hold the saved bytes."""
+    os.environ["DIST_CKPT_EXCHANGE_BUCKET_BYTES"] = bucket_bytes
+    shapes = {f"s{i}": (5 + i, 3 + 2 * i) for i in range(12)}
+    shapes["large"] = (512, 1024)  # 2 MiB: over the size that travels alone
+    full = {k: reference_tensor(k, s, torch.float32) for k, s in shapes.items()}
+    flat = reference_tensor("flat", (4096,), torch.bfloat16)
+    rank = dist.get_rank()
+
+    def request(empty: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in full.items():  # a transposed view: its rows are strided
+            t = torch.full((v.shape[1], v.shape[0]), float("nan")).t() if empty else v
+            out[k] = ShardedTensor.from_rank_offsets(k, t, replica_id=rank)
+        for j, (lo, hi) in enumerate(((0, 1000), (1000, 4096))):
+            part = torch.zeros(hi - lo, dtype=torch.bfloat16) if empty else flat[lo:hi].clone()
+            out[f"flat{j}"] = ShardedTensor.from_rank_offsets_flat(
+                "flat", part, (4096,), replica_id=rank, flattened_range=slice(lo, hi)
+            )
+        return out
+
+    dcp.save(request(False), ckpt)
+    wanted = request(True)
+    load = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo=algo)
+    loaded = dcp.load(wanted, ckpt, sharded_strategy=load)
+    bad = [k for k, v in full.items() if not torch.equal(loaded[k], v)]
+    bad += [k for k in full if loaded[k] is not wanted[k].data]
+    for j, (lo, hi) in enumerate(((0, 1000), (1000, 4096))):
+        if not torch.equal(loaded[f"flat{j}"], flat[lo:hi]):
+            bad.append(f"flat{j}")
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("algo", "bucket_bytes"),
+    [("broadcast", "1"), ("broadcast", str(64 << 20)), ("gather_rounds", str(64 << 20))],
+)
+def test_received_shards_land_in_strided_and_flat_destinations(
+    tmp_path: Path, algo: str, bucket_bytes: str
+) -> None:
+    results = run_distributed(
+        _into_any_destination, 3, str(tmp_path), algo, bucket_bytes, timeout=TIMEOUT_S
+    )
+    assert results == [[], [], []]

@@ -14,11 +14,9 @@ faults, and the allocator kept much of it); a reading thread now reuses one of t
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +25,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.errors import ChecksumMismatchError
 from tests.support.harness import run_distributed
+from tests.support.memory import PeakRss
 
 MIB = 1 << 20
 
@@ -48,28 +47,6 @@ def _save_column_blocks(
     dc.save(state, root, (backend, 1))
 
 
-class _PeakRss:
-    """The largest RSS of this process seen while it runs (sampled every 0.2 ms)."""
-
-    def __init__(self) -> None:
-        self.proc = psutil.Process()
-        self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.0002):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __enter__(self) -> _PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def _load_whole(root: str, shapes: list[tuple[int, int]], cap: int | None) -> dict[str, Any]:
     """Rank function (one rank): load every tensor whole (each stored column block is a
     staged read of whole rows); the RSS the load added, and the tensors that differ."""
@@ -80,13 +57,12 @@ def _load_whole(root: str, shapes: list[tuple[int, int]], cap: int | None) -> di
     dc.load(state, root)  # once to warm the allocator and the page cache
     for t in targets.values():
         t.fill_(float("nan"))
-    with _PeakRss() as rss:
-        base = rss.proc.memory_info().rss
+    with PeakRss() as rss:
         dc.load(state, root)
     bad = [
         k for i, (k, t) in enumerate(targets.items()) if not torch.equal(t, _full(i, *shapes[i]))
     ]
-    return {"added": rss.peak - base, "bad": bad}
+    return {"added": rss.added, "bad": bad}
 
 
 @pytest.mark.parametrize("backend", ["raw_bytes", "torch_dist"])
