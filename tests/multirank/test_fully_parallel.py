@@ -539,3 +539,54 @@ def test_received_shards_land_in_strided_and_flat_destinations(
         _into_any_destination, 3, str(tmp_path), algo, bucket_bytes, timeout=TIMEOUT_S
     )
     assert results == [[], [], []]
+
+
+# Which ranks of 3 hold which tensor (whole; replica 0 on the lowest holder, but for
+# "elsewhere", whose main replica is outside the group), and its shape.
+_HOLDINGS = {
+    "everyone": ((0, 1, 2), (6, 4), torch.float32),
+    "pair": ((0, 1), (3, 5), torch.bfloat16),
+    "own1": ((1,), (7,), torch.int16),
+    "own2": ((2,), (2, 2, 2), torch.float64),
+    "elsewhere": ((0, 2), (5,), torch.float32),
+}
+
+
+def _distribution_rows(ignore_groups: bool) -> dict[str, Any]:
+    """Rank function: this rank's view of the distribution of ``_HOLDINGS``."""
+    rank = dist.get_rank()
+    state = {
+        k: ShardedTensor.from_rank_offsets(
+            k,
+            torch.zeros(shape, dtype=dtype),
+            replica_id=holders.index(rank) + (k == "elsewhere"),
+        )
+        for k, (holders, shape, dtype) in _HOLDINGS.items()
+        if rank in holders
+    }
+    d = determine_main_replica_uniform_distribution(state, None, ignore_groups=ignore_groups)
+    assert d is not None
+    return {
+        "main": {sid[0]: r for sid, r in d.main_rank_for_shard.items()},
+        "ranks": {sid[0]: list(r) for sid, r in d.all_ranks_for_shard.items()},
+        "meta": {
+            sid[0]: (tuple(sh.local_shape), sh.dtype, sh.data is None)
+            for sid, sh in d.shard_to_metadata.items()
+        },
+    }
+
+
+@pytest.mark.parametrize("ignore_groups", [False, True])
+def test_every_rank_sees_every_shard_of_the_group(ignore_groups: bool) -> None:
+    """Rows gathered, metadata sent only to the ranks that lack a shard: each rank still
+    describes every shard of the group, with its shape and dtype and no data, and all
+    ranks agree on who holds and who handles each."""
+    views = run_distributed(_distribution_rows, 3, ignore_groups, timeout=TIMEOUT_S)
+    expected_meta = {k: (shape, dtype, True) for k, (_, shape, dtype) in _HOLDINGS.items()}
+    handled = {k: v for k, v in _HOLDINGS.items() if ignore_groups or k != "elsewhere"}
+    for view in views:
+        assert view == views[0]
+        assert view["meta"] == expected_meta
+        assert view["ranks"] == {k: list(holders) for k, (holders, _, _) in handled.items()}
+        assert view["main"].keys() == handled.keys()
+        assert all(view["main"][k] in holders for k, (holders, _, _) in handled.items())
