@@ -182,13 +182,14 @@ def targets(results: list[dict[str, Any]]) -> list[str]:
 
 
 def _memory_lines(cases: dict[str, Any], n: int) -> list[str]:
-    """Each layout's peak RSS above the state (``RSS +``) against the copy-ahead budget."""
+    """Each layout's peak RSS above the state (``RSS +``) against the copy-ahead budget,
+    the fully parallel wrappers' too (above their replicated state)."""
     budget = knobs.COPY_AHEAD_BYTES.get()  # as the ranks see it: environment or default
     if budget <= 0:
         return [f"{n} rank(s): no copy-ahead budget set (COPY_AHEAD_BYTES=0)"]
     lines = []
     for name, case in cases.items():
-        for method in ("ours", "raw_bytes"):
+        for method in ("ours", "raw_bytes", "fully_parallel"):
             info = case["methods"].get(method, {})
             if info.get("status") == "ok" and "rss_growth" in info:
                 got = info["rss_growth"]

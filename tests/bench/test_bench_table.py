@@ -75,6 +75,7 @@ def test_quick_table_has_every_row_and_column(tmp_path: Path, mode: list[str]) -
     assert [r["ranks"] for r in merged] == [1, 2]
     assert any(line.startswith("big, 1 rank(s): ours save at") for line in lines)
     assert any(line.startswith("mid, 2 rank(s): ours load") for line in lines)
+    assert any(line.startswith("mid, 2 rank(s): fully_parallel peak RSS") for line in lines)
 
 
 def test_a_method_over_its_time_budget_is_skipped_with_the_estimate() -> None:
