@@ -5,7 +5,7 @@ Collectives move bytes (``as_bytes``), so every dtype travels (gloo refuses FP8)
 A received shard is copied into its destination tensor as soon as its bytes arrive
 (``deliver``), so a load holds at most the buffer it is receiving beyond its state;
 only a shard whose request has no usable tensor becomes a new CPU tensor
-(``from_bytes``).
+(``_from_bytes``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _shard_shape(sh: ShardedTensor) -> tuple[int, ...]:
     return tuple(sh.local_shape)
 
 
-def from_bytes(data: torch.Tensor, sh: ShardedTensor) -> torch.Tensor:
+def _from_bytes(data: torch.Tensor, sh: ShardedTensor) -> torch.Tensor:
     """The shard described by ``sh`` from its bytes (on the CPU)."""
     data = data.cpu()
     if data.numel() == 0:
@@ -86,7 +86,7 @@ def deliver(
     whole = len(spare) == len(entries)
     for shard_id, offset, size in spare:
         data = bucket[offset : offset + size]
-        result[shard_id] = from_bytes(data if whole else data.clone(), unloaded_shards[shard_id])
+        result[shard_id] = _from_bytes(data if whole else data.clone(), unloaded_shards[shard_id])
 
 
 def _copy_target(sh: ShardedTensor, size: int) -> torch.Tensor | None:
@@ -103,4 +103,4 @@ def _copy_target(sh: ShardedTensor, size: int) -> torch.Tensor | None:
     return None
 
 
-__all__ = ["as_bytes", "deliver", "direct_target", "from_bytes"]
+__all__ = ["as_bytes", "deliver", "direct_target"]

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from ._shard_transfer import as_bytes, deliver, direct_target, from_bytes
+from ._shard_transfer import as_bytes, deliver, direct_target
 from .dict_utils import nested_values
 from .engine import knobs
 from .engine.collectives import RankGroup
@@ -333,7 +333,7 @@ def exchange_loaded_tensors_gather_object(
                 if data
                 else torch.empty(0, dtype=torch.uint8)
             )
-            result[shard_id] = from_bytes(raw, sh)
+            deliver(raw, [(shard_id, 0, len(data))], {shard_id: sh}, result)
     return result
 
 

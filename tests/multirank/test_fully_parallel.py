@@ -530,7 +530,12 @@ def _into_any_destination(ckpt: str, algo: str, bucket_bytes: str) -> list[str]:
 
 @pytest.mark.parametrize(
     ("algo", "bucket_bytes"),
-    [("broadcast", "1"), ("broadcast", str(64 << 20)), ("gather_rounds", str(64 << 20))],
+    [
+        ("broadcast", "1"),
+        ("broadcast", str(64 << 20)),
+        ("gather_rounds", str(64 << 20)),
+        ("gather_object", str(64 << 20)),
+    ],
 )
 def test_received_shards_land_in_strided_and_flat_destinations(
     tmp_path: Path, algo: str, bucket_bytes: str
