@@ -372,6 +372,11 @@ def _held_by_all(key: str, t: torch.Tensor) -> ShardedTensor:
     return ShardedTensor.from_rank_offsets(key, t, replica_id=dist.get_rank())
 
 
+def _held_by_all_of(tensors: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
+    """Each tensor whole on every rank of the world (replica = rank)."""
+    return {k: _held_by_all(k, t) for k, t in tensors.items()}
+
+
 def _cached_loads_of_changed_tensors(root: str, algo: str) -> list[bool]:
     """One load wrapper with the distribution cache loads three checkpoints whose 'w'
     has the same shard id but another shape, then another dtype: each load must plan
@@ -453,12 +458,6 @@ def test_the_save_cache_follows_the_main_replica(tmp_path: Path, layout: str) ->
     assert results == [[True, True]] * 4, results
 
 
-def _held_by_every_rank(targets: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
-    """Each tensor of ``targets`` whole on every rank of the world (replica = rank)."""
-    rank = dist.get_rank()
-    return {k: ShardedTensor.from_rank_offsets(k, t, replica_id=rank) for k, t in targets.items()}
-
-
 def _bucketed_load_memory(ckpt: str, count: int, numel: int) -> dict[str, Any]:
     """``count`` replicated float32 tensors of ``numel`` elements, saved, then loaded fully
     parallel with 4 MiB buckets: the RSS the load added and the tensors that differ."""
@@ -466,14 +465,14 @@ def _bucketed_load_memory(ckpt: str, count: int, numel: int) -> dict[str, Any]:
     full = {
         f"m{i:04d}": reference_tensor(f"m{i:04d}", (numel,), torch.float32) for i in range(count)
     }
-    dcp.save(_held_by_every_rank(full), ckpt)
+    dcp.save(_held_by_all_of(full), ckpt)
     targets = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
     load = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
-    dcp.load(_held_by_every_rank(targets), ckpt, sharded_strategy=load)  # warm-up
+    dcp.load(_held_by_all_of(targets), ckpt, sharded_strategy=load)  # warm-up
     for t in targets.values():
         t.fill_(float("nan"))
     with PeakRss() as rss:
-        dcp.load(_held_by_every_rank(targets), ckpt, sharded_strategy=load)
+        dcp.load(_held_by_all_of(targets), ckpt, sharded_strategy=load)
     return {
         "added": rss.added,
         "bad": [k for k, v in full.items() if not torch.equal(targets[k], v)],
@@ -508,7 +507,7 @@ def _into_any_destination(ckpt: str, algo: str, bucket_bytes: str) -> list[str]:
         out: dict[str, Any] = {}
         for k, v in full.items():  # a transposed view: its rows are strided
             t = torch.full((v.shape[1], v.shape[0]), float("nan")).t() if empty else v
-            out[k] = ShardedTensor.from_rank_offsets(k, t, replica_id=rank)
+            out[k] = _held_by_all(k, t)
         for j, (lo, hi) in enumerate(((0, 1000), (1000, 4096))):
             part = torch.zeros(hi - lo, dtype=torch.bfloat16) if empty else flat[lo:hi].clone()
             out[f"flat{j}"] = ShardedTensor.from_rank_offsets_flat(
