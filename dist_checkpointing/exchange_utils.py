@@ -3,13 +3,14 @@
 Megatron-Core's ``dist_checkpointing.exchange_utils`` module path. Used by the
 fully parallel strategies (:mod:`.strategies.fully_parallel`):
 
-1. every rank of the group learns which ranks hold which shards (one
-   ``all_gather_object`` of a row per shard: its id, bytes and whether the rank
-   holds a main replica; the data-less ShardedTensor of a shard only travels to
-   the ranks that do not hold it, in a second gather that a group whose ranks all
-   hold the same shards skips);
-2. every rank computes the same size-balanced assignment of each shard to one
-   of the ranks that hold it (:func:`distribute_shards_to_ranks`, deterministic,
+1. every rank of the group learns which ranks hold the shards it holds and every
+   shard that several ranks hold, and the bytes each rank holds alone
+   (:func:`~.engine.shard_distribution.distribute`: each shard's row goes to the rank
+   that owns its key, never to every rank; the data-less ShardedTensor of a shard
+   several ranks hold only travels to the ranks that lack it, in a gather that a group
+   whose ranks all hold the same shards skips);
+2. every rank computes the same size-balanced assignment of each shard to one of the
+   ranks that hold it, the greedy of :func:`distribute_shards_to_ranks` (deterministic,
    so nothing else is exchanged);
 3. at load, each shard is read by its assigned rank only, then sent to the other
    ranks that need it (:func:`exchange_by_distribution`: ``broadcast``, the default,
@@ -38,6 +39,7 @@ from ._shard_transfer import as_bytes, deliver, direct_target
 from .dict_utils import nested_values
 from .engine import knobs
 from .engine.collectives import RankGroup
+from .engine.shard_distribution import Shared, distribute
 from .errors import CheckpointingException, InvalidArgumentError
 from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from .utils import _sharded_tensor_shard_id, _ShardId
@@ -71,6 +73,11 @@ class ShardDistribution(NamedTuple):
     ``shards_in_this_group``: the shards whose main replica is in this group;
     ``shard_to_metadata``: a data-less ShardedTensor describing each shard;
     ``all_ranks_for_shard``: the group ranks that hold (or need) each shard.
+
+    Each rank's distribution lists the shards it holds and every shard that several
+    ranks of the group hold; not a shard another rank alone holds (that rank handles
+    it, and nothing about it is exchanged). Megatron-Core lists every shard of the
+    group on every rank, which costs every rank ``O(ranks x shards)``.
     """
 
     main_rank_for_shard: dict[_ShardId, int]
@@ -145,41 +152,26 @@ def determine_main_replica_uniform_distribution(
             shard_id = _sharded_tensor_shard_id(sh)
             local.setdefault(shard_id, sh)
             main[shard_id] = main.get(shard_id, False) or is_main_replica(sh.replica_id)
-    # A row per shard, not a ShardedTensor: unpickling 10,000 data-less ShardedTensors
-    # took 184 ms against 5 for these rows, and each rank receives every rank's.
     rows = [(shard_id, _shard_size(sh), main[shard_id]) for shard_id, sh in local.items()]
-    shard_to_ranks: dict[_ShardId, list[int]] = defaultdict(list)
-    shard_to_size: dict[_ShardId, int] = {}
-    in_group: set[_ShardId] = set()
-    for rank, rank_rows in enumerate(group.all_gather(rows)):
-        for shard_id, size, is_main in rank_rows:
-            shard_to_ranks[shard_id].append(rank)
-            shard_to_size.setdefault(shard_id, size)
-            if ignore_groups or is_main:
-                in_group.add(shard_id)
-    ranks_in_group = {k: v for k, v in shard_to_ranks.items() if k in in_group}
-    main_rank = distribute_shards_to_ranks(ranks_in_group, shard_to_size, group.world)
-    metadata = _shard_metadata(local, shard_to_ranks, group)
-    return ShardDistribution(main_rank, in_group, metadata, ranks_in_group)
+    found = distribute(rows, group, ignore_groups)
+    metadata = _shard_metadata(local, found.shared, group)
+    return ShardDistribution(found.main_rank, set(found.main_rank), metadata, found.holders)
 
 
 def _shard_metadata(
     local: dict[_ShardId, ShardedTensor],
-    shard_to_ranks: dict[_ShardId, list[int]],
+    shared: list[Shared[_ShardId]],
     group: RankGroup,
 ) -> dict[_ShardId, ShardedTensor]:
-    """A data-less ShardedTensor for every shard of the group: this rank's own, and,
-    for the shards it does not hold, the one sent by their lowest holding rank (one
-    ``all_gather_object``, made only where some rank lacks some shard; every rank
-    decides that alike, from the same rows)."""
+    """A data-less ShardedTensor for every shard this rank holds and every shard several
+    ranks hold: for those it lacks, the one sent by their lowest holding rank (one
+    ``all_gather_object``, made only where some rank lacks such a shard; every rank
+    decides that alike, from the same shared shards)."""
     metadata = {shard_id: sh.without_data() for shard_id, sh in local.items()}
-    if all(len(ranks) == group.world for ranks in shard_to_ranks.values()):
+    partial = [s for s in shared if len(s.holders) < group.world]
+    if not partial:
         return metadata
-    mine = {
-        shard_id: metadata[shard_id]
-        for shard_id, ranks in shard_to_ranks.items()
-        if ranks[0] == group.rank and len(ranks) < group.world
-    }
+    mine = {s.shard_id: metadata[s.shard_id] for s in partial if s.holders[0] == group.rank}
     for sent in group.all_gather(mine):
         for shard_id, sh in sent.items():
             metadata.setdefault(shard_id, sh)
