@@ -33,11 +33,11 @@ import torch.distributed as dist
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..engine.async_save.request import AsyncRequest
 from ..engine.collectives import RankGroup
+from ..engine.shard_distribution import distribute
 from ..errors import CheckpointingException
 from ..exchange_utils import (
     ShardDistribution,
     determine_main_replica_uniform_distribution,
-    distribute_shards_to_ranks,
     exchange_by_distribution,
     exchange_loaded_objects_gather_object,
 )
@@ -313,12 +313,10 @@ class _LoadShare:
         self._assign_objects(objects, group)
 
     def _assign_objects(self, objects: dict[_ShardId, ShardedObject], group: RankGroup) -> None:
-        """Each object needed in the group is read by one of the ranks needing it."""
-        holders: dict[_ShardId, list[int]] = {}
-        for rank, ids in enumerate(group.all_gather(sorted(objects))):
-            for object_id in ids:
-                holders.setdefault(object_id, []).append(rank)
-        owner = distribute_shards_to_ranks(holders, dict.fromkeys(holders, 1), group.world)
+        """Each object needed in the group is read by one of the ranks needing it (the
+        shards' distribution, every object counted as one byte)."""
+        rows = [(object_id, 1, True) for object_id in objects]
+        owner = distribute(rows, group, ignore_groups=True).main_rank
         for object_id, sh in objects.items():
             if owner[object_id] == group.rank:
                 self.reads[object_id] = sh
