@@ -298,11 +298,16 @@ def _with_axis(offsets: list[int], sizes: list[int], axis: int, start: int, size
 def box_intersection(a: Box, b: Box) -> Box | None:
     """The box where boxes ``a`` and ``b`` overlap (None if they do not)."""
     (a_off, a_sz), (b_off, b_sz) = a, b
-    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
-    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_sz, b_off, b_sz))
-    if any(h <= low for low, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - low for low, h in zip(lo, hi))
+    lo: list[int] = []
+    size: list[int] = []
+    for x, s, y, t in zip(a_off, a_sz, b_off, b_sz):  # a plain loop: planned per chunk
+        start = x if x > y else y
+        end = x + s if x + s < y + t else y + t
+        if end <= start:
+            return None
+        lo.append(start)
+        size.append(end - start)
+    return tuple(lo), tuple(size)
 
 
 def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:

@@ -60,3 +60,27 @@ def test_a_batch_never_shares_memory_and_a_large_read_lands_alone(
         length = reads[tag][0]
         assert data == bytes([length % 251]) * length
         assert all(r.dest is None for r in batch)
+
+
+def test_the_buffer_grows_to_hold_a_batch_of_small_reads() -> None:
+    """Small staged reads (a resharding load of many column blocks) share one buffer:
+    once a batch found no room beside the first read, the buffer grows (up to the cap),
+    so later batches hold many reads, not one read and one ``preadv`` each."""
+    staging = _Staging(1 << 20)
+    delivered: list[tuple[int, bytes]] = []
+    batches = []
+    batch = 0
+    for tag in range(200):
+        r = _staged(4096, 0, delivered, tag)
+        if not staging.land(r):
+            staging.deliver()
+            batches.append(batch)
+            batch = 0
+            assert staging.land(r)
+        batch += 1
+    staging.deliver()
+    assert len(delivered) == 200
+    assert batches[0] == 1  # the buffer started at the first read's size
+    assert max(batches) >= 64  # then doubled: 200 reads in a handful of batches
+    assert len(batches) <= 10
+    assert staging.buf.numel() <= 1 << 20

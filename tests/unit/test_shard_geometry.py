@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from dist_checkpointing._shard_geometry import (
     Box,
+    box_intersection,
     box_minus,
     grid_from_rank_offsets,
     narrowed_flat_range,
@@ -40,6 +41,21 @@ def test_box_minus_leaves_exactly_the_cells_outside_the_hole(data: st.DataObject
     cells = [_cells(p) for p in parts]
     assert sum(map(len, cells)) == len(set().union(*cells))  # disjoint
     assert set().union(*cells) == _cells(box) - _cells(hole)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_box_intersection_is_the_common_cells(data: st.DataObject) -> None:
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=0, max_size=3)))
+    a = data.draw(_boxes_in(shape)) if shape else ((), ())
+    b = data.draw(_boxes_in(shape)) if shape else ((), ())
+    common = _cells(a) & _cells(b)
+    got = box_intersection(a, b)
+    if not common:
+        assert got is None
+    else:
+        assert got is not None and _cells(got) == common
+        assert all(type(v) is tuple for v in got)
 
 
 @settings(max_examples=100, deadline=None)

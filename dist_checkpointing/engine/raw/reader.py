@@ -91,6 +91,7 @@ class _Staging:
         self.used = 0
         self.alone = False  # a read with a buffer of its own is landed: nothing beside it
         self.landed: list[tuple[Read, torch.Tensor]] = []
+        self.wanted = 0  # the bytes the last batch did not find room for
 
     def land(self, r: Read) -> bool:
         """Give staged read ``r`` its place (its ``dest``); False where it does not fit
@@ -99,13 +100,16 @@ class _Staging:
         n = r.stage.lead + r.length
         at = self.used
         if self.landed and (self.alone or at + n > len(self.buf)):
+            self.wanted = max(self.wanted, at + n)
             return False
         if n > self.cap:
             self.alone = True
             self._hold(r, torch.empty(n, dtype=torch.uint8))
             return True
-        if at + n > len(self.buf):  # nothing landed: a larger buffer
-            self.buf = torch.empty(min(self.cap, max(n, 2 * len(self.buf))), dtype=torch.uint8)
+        need = max(at + n, self.wanted)  # nothing landed if at + n does not fit
+        if need > len(self.buf) and len(self.buf) < self.cap:  # a larger buffer
+            self.buf = torch.empty(min(self.cap, max(need, 2 * len(self.buf))), dtype=torch.uint8)
+            self.wanted = 0
         self.used = -(-(at + n) // 64) * 64  # the next place starts on a cache line
         self._hold(r, self.buf[at : at + n])
         return True
