@@ -127,6 +127,11 @@ def data_problem(t: TensorBlock) -> str | None:
     return None
 
 
+_CACHED_NDIM = 8
+_ZEROS = [(0,) * n for n in range(_CACHED_NDIM)]
+_ONES = [(1,) * n for n in range(_CACHED_NDIM)]
+
+
 def grid_from_rank_offsets(
     data_shape: Sequence[int],
     rank_offsets: Sequence[tuple[int, int, int]],
@@ -135,6 +140,13 @@ def grid_from_rank_offsets(
     """``(global_shape, global_offset, axis_fragmentations)`` of a block of shape
     ``data_shape`` placed by ``(axis, axis_rank_offset, axis_fragmentations)``
     triples, or the problem with ``rank_offsets`` as text."""
+    if not rank_offsets and not prepend_axis_num:  # a whole tensor (most replicated state)
+        n = len(data_shape)
+        return (
+            tuple(data_shape),
+            _ZEROS[n] if n < _CACHED_NDIM else (0,) * n,
+            _ONES[n] if n < _CACHED_NDIM else (1,) * n,
+        )
     ndim = len(data_shape) + prepend_axis_num
     global_shape = [1] * prepend_axis_num + list(data_shape)
     global_offset = [0] * ndim

@@ -306,7 +306,8 @@ class ShardedTensor(ShardedBase):
             raise MappingError(
                 f"ShardedTensor '{key}': data must be a torch.Tensor, got {type(data).__name__}"
             )
-        grid = grid_from_rank_offsets(tuple(data.shape), rank_offsets, prepend_axis_num)
+        shape = tuple(data.shape)
+        grid = grid_from_rank_offsets(shape, rank_offsets, prepend_axis_num)
         if isinstance(grid, str):
             raise MappingError(f"ShardedTensor '{key}': {grid}")
         global_shape, global_offset, fragmentations = grid
@@ -323,7 +324,7 @@ class ShardedTensor(ShardedBase):
             out.key = key
             out.data = data
             out.dtype = data.dtype
-            out.local_shape = tuple(data.shape)
+            out.local_shape = shape
             out.global_shape = global_shape
             out.global_offset = global_offset
             out.axis_fragmentations = fragmentations
