@@ -25,10 +25,11 @@ Collective steps of :func:`distribute` (every rank of the group makes each call)
    (:func:`assign_shared`): the same assignment as the greedy over every shard.
 
 Cost per rank, with ``T`` its shards, ``S`` the shards held by several ranks and ``W``
-the ranks: ``O(T + S log S + W)`` work and memory, plus ``O(S x W)`` for the least loaded
-holder of a shard every rank holds (vectorised: an ``argmin`` over ``W`` loads). Gathering
-every rank's rows, as before (and as Megatron-Core gathers every rank's ShardedTensors),
-made every rank unpickle and walk ``W x T`` rows.
+the ranks: ``O(T + S log S + W)`` work and objects (the holders of a shard every rank
+holds are ``range(W)``, sent and kept in constant space), plus an ``argmin`` over ``W``
+loads (numpy) for each shard every rank holds. Gathering every rank's rows, as before
+(and as Megatron-Core gathers every rank's ShardedTensors), made every rank unpickle and
+walk ``W x T`` rows.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class Shared(Generic[Id]):
 
     shard_id: Id
     size: int  # bytes (as the lowest holding rank counts them)
-    holders: tuple[int, ...]  # group ranks, ascending
+    # Group ranks, ascending: ``range(world)`` for a shard every rank holds (a
+    # replicated parameter), which travels and is kept in O(1), not O(world).
+    holders: tuple[int, ...] | range
     distributed: bool  # its main replica is in the group, or the caller ignores groups
 
 
@@ -66,7 +69,8 @@ class Shared(Generic[Id]):
 class Distribution(Generic[Id]):
     """One rank's result of :func:`distribute`: the handling rank of each distributed
     shard this rank holds, and of each distributed shard several ranks hold (with their
-    holders); ``shared`` lists every shard several ranks hold, distributed or not."""
+    holders); ``shared`` lists every shard several ranks hold, distributed or not.
+    The shards every rank holds share one holders list (read it, do not change it)."""
 
     main_rank: dict[Id, int]
     holders: dict[Id, list[int]]
@@ -106,7 +110,8 @@ def owned(
     for shard_id, ranks in holders.items():
         distributed = ignore_groups or main[shard_id]
         if len(ranks) > 1:
-            shared.append(Shared(shard_id, size[shard_id], tuple(ranks), distributed))
+            held = range(world) if len(ranks) == world else tuple(ranks)
+            shared.append(Shared(shard_id, size[shard_id], held, distributed))
         elif distributed:
             loads[ranks[0]] += size[shard_id]
     return shared, loads
@@ -128,7 +133,7 @@ def assign_shared(shared: Sequence[Shared[Id]], loads: Sequence[int]) -> dict[Id
         if len(h) == world:
             rank = int(np.argmin(load))  # the first least loaded: ties to the lowest rank
         elif len(h) > _VECTOR_HOLDERS:
-            rank = h[int(np.argmin(load[list(h)]))]
+            rank = h[int(np.argmin(load[np.asarray(h)]))]
         else:
             rank = min(h, key=lambda r: (load[r], r))
         out[s.shard_id] = rank
@@ -146,7 +151,12 @@ def combine(
     """Rank ``rank``'s :class:`Distribution`, from its own ``rows``, every owner's
     ``shared`` shards and the summed ``loads`` (steps 4 and 5)."""
     main_rank = assign_shared(shared, loads)
-    holders = {s.shard_id: list(s.holders) for s in shared if s.distributed}
+    everyone = list(range(len(loads)))  # one list for every shard all ranks hold
+    holders = {
+        s.shard_id: everyone if isinstance(s.holders, range) else list(s.holders)
+        for s in shared
+        if s.distributed
+    }
     several = {s.shard_id for s in shared}
     for shard_id, _, is_main in rows:  # held by this rank alone: handled by it
         if (ignore_groups or is_main) and shard_id not in several:

@@ -7,6 +7,7 @@ rank's shards at once. The collectives themselves run in
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 from hypothesis import given, settings
@@ -104,3 +105,6 @@ def test_no_rank_receives_every_rank_rows() -> None:
     for got in simulate(per_rank, ignore_groups=True):
         assert len(got.shared) == 10
         assert len(got.main_rank) == 60
+        # Held by every rank: the holders travel as a range, not 64 ranks each.
+        assert all(s.holders == range(world) for s in got.shared)
+        assert len(pickle.dumps(got.shared)) < 2000
