@@ -82,8 +82,9 @@ class Read:
 class _Staging:
     """The staging memory of one run of reads (one thread): a buffer that the run's
     staged reads share, those of one batch side by side, reused once they are delivered.
-    It grows to at most ``cap`` bytes (the ``STAGING_BUFFER_BYTES`` knob); a staged read
-    larger than that gets a buffer of its own, dropped once it is delivered."""
+    It grows (at least doubling) when a read, or the batch before it, found no room, to at
+    most ``cap`` bytes (the ``STAGING_BUFFER_BYTES`` knob); a staged read larger than that
+    gets a buffer of its own, dropped once it is delivered."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
@@ -106,8 +107,9 @@ class _Staging:
             self.alone = True
             self._hold(r, torch.empty(n, dtype=torch.uint8))
             return True
-        need = max(at + n, self.wanted)  # nothing landed if at + n does not fit
-        if need > len(self.buf) and len(self.buf) < self.cap:  # a larger buffer
+        need = max(at + n, self.wanted)
+        if not self.landed and need > len(self.buf) and len(self.buf) < self.cap:
+            # A larger buffer, for this read or for the batch that found no room.
             self.buf = torch.empty(min(self.cap, max(need, 2 * len(self.buf))), dtype=torch.uint8)
             self.wanted = 0
         self.used = -(-(at + n) // 64) * 64  # the next place starts on a cache line
