@@ -29,6 +29,7 @@ from ..engine.checkpoint import commit
 from ..engine.collectives import RankGroup
 from ..engine.raw import load as raw_load
 from ..engine.raw.index import DATA_SUFFIX, INDEX_NAME, KIND_OBJECT, is_raw_bytes_file
+from ..engine.raw.plan_reuse import LayoutCache
 from ..engine.raw.save import save_request
 from ..engine.safety import object_loader
 from ..engine.storage.location import CheckpointDir
@@ -71,6 +72,10 @@ class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
         version: ``1``.
         thread_count: data files (and writer threads) per rank (default: the
             ``SAVE_THREAD_COUNT`` knob, 2).
+        cached_metadata: reuse the last save's layout (files, offsets, index
+            entries) while the structure of the saved state stays the same, as
+            ``torch_dist``'s option of that name reuses its plan (see
+            :mod:`~dist_checkpointing.engine.raw.plan_reuse`).
         process_group: the ranks that save together (default: the world).
     """
 
@@ -81,12 +86,25 @@ class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
         backend: str = BACKEND,
         version: int = VERSION,
         thread_count: int | None = None,
+        cached_metadata: bool = False,
         *,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(backend, version)
         self.thread_count = knobs.SAVE_THREAD_COUNT.get(thread_count)
+        self.cached_metadata = cached_metadata
+        self.layout_cache = LayoutCache()  # used while cached_metadata is set
         self.process_group = process_group
+
+    @property
+    def use_cached_ckpt_structure(self) -> bool:
+        """Megatron-Core's name of ``cached_metadata`` (Megatron-LM and NeMo set it on a
+        strategy after building it), as on the ``torch_dist`` strategy."""
+        return self.cached_metadata
+
+    @use_cached_ckpt_structure.setter
+    def use_cached_ckpt_structure(self, value: bool) -> None:
+        self.cached_metadata = bool(value)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -132,7 +150,8 @@ class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
         leaves = [x for x in nested_values(sharded_state_dict) if is_sharded_base(x)]
         group = RankGroup(self.process_group)
         ckpt = CheckpointDir.of(checkpoint_dir)
-        return save_request(leaves, ckpt, group, self.thread_count, in_process)
+        cache = self.layout_cache if self.cached_metadata else None
+        return save_request(leaves, ckpt, group, self.thread_count, in_process, cache)
 
 
 class RawBytesLoadShardedStrategy(CollectiveLoadStrategy):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import dist_checkpointing as dc
+from dist_checkpointing.dict_utils import nested_values
 from dist_checkpointing import ShardedObject
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -195,3 +196,50 @@ def _async(ckpt: Path, backend: str, persistent: bool) -> bytes:
 def test_async_save_roundtrip(tmp_path: Path, backend: str, persistent: bool) -> None:
     results = run_distributed(_async, 2, tmp_path, backend, persistent, timeout=150.0)
     assert loaded_mismatches(results, _specs(2, 0)) == []
+
+
+def _cached_async(root: Path, backend: str, persistent: bool) -> tuple[bytes, list[str], int]:
+    """Two async saves of one structure by a strategy that caches it (the second with new
+    tensors, all zero): the first checkpoint loads the reference values, the second
+    zeros; returns how many saves reused the cached plan or layout."""
+    specs = _specs(dist.get_world_size(), 0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    queue = AsyncCallsQueue(persistent=persistent)
+    strategy = get_default_save_sharded_strategy(backend, 1)
+    strategy = type(strategy)(backend, 1)
+    strategy.use_cached_ckpt_structure = True
+    for i, (name, zero) in enumerate((("a", False), ("b", True))):
+        sd: dict[str, Any] = dict(sharded_state_dict(specs, rank))
+        if zero:
+            for sh in nested_values(sd):
+                sh.data.zero_()
+        sd.update(_objects(rank, world))
+        request = dc.save(sd, root / name, strategy, async_sharded_save=True)
+        queue.schedule_async_request(request)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [i]
+    queue.close()
+    first = _load(root / "a", specs, world)
+    request = dict(sharded_state_dict(specs, rank, fill=False))
+    loaded = dc.load(request, root / "b")
+    nonzero = [
+        k
+        for k in request
+        for t in (loaded[k] if isinstance(loaded[k], list) else [loaded[k]])
+        if bool(t.view(torch.uint8).any())
+    ]
+    reused = strategy.layout_cache.reused if backend == "raw_bytes" else -1
+    return first, nonzero, reused
+
+
+@BY_BACKEND
+@pytest.mark.parametrize("persistent", [False, True], ids=["temporal", "persistent"])
+def test_cached_structure_async_saves_write_their_own_data(
+    tmp_path: Path, backend: str, persistent: bool
+) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    results = run_distributed(_cached_async, 2, tmp_path, backend, persistent, timeout=150.0)
+    assert loaded_mismatches([r[0] for r in results], _specs(2, 0)) == []
+    assert [r[1] for r in results] == [[], []]
+    if backend == "raw_bytes":
+        assert [r[2] for r in results] == [1, 1]

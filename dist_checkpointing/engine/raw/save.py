@@ -3,7 +3,9 @@
 Call sequence (every rank; "C" is the coordinator):
 
 1. :func:`save_request` (in ``save``): plan the rank's files and index piece
-   (:func:`.writer.plan_rank`; no collective) and return the request;
+   (:func:`.writer.plan_rank`, or the strategy's :class:`.plan_reuse.LayoutCache`,
+   which reuses the last layout for an unchanged structure; no collective) and
+   return the request;
 2. its ``preload_fn`` (a :class:`.writer.StageRankWrite`) stages accelerator
    tensors to host memory (the blocking part of an async save; the persistent
    caller stages into its snapshot arena; a synchronous save stages nothing up
@@ -39,6 +41,7 @@ from ..storage.location import CheckpointDir
 from ..storage.results_channel import FileResultsQueue
 from .data_files import FileWritten, write_rank
 from .index import INDEX_NAME, IndexPiece, merge_pieces
+from .plan_reuse import LayoutCache
 from .writer import RankWrite, StageRankWrite, plan_rank
 
 logger = logging.getLogger(__name__)
@@ -122,13 +125,15 @@ def save_request(
     group: RankGroup,
     file_count: int,
     in_process: bool,
+    cache: LayoutCache | None = None,
 ) -> AsyncRequest:
     """Steps 1-4 as one request (see the module docstring). Planning has no collective:
     a rank whose plan fails returns a request that fails when run, so that every rank
     learns of it where the others wait (the request's agreement), none hangs."""
     block_bytes = ckpt.context.block_bytes  # 0: the WRITE_CHECKSUMS knob is off
+    plan = plan_rank if cache is None else cache.plan
     try:
-        wr, piece = plan_rank(
+        wr, piece = plan(
             leaves, ckpt.root, group.rank, file_count, ALIGNMENT, block_bytes, ckpt.context.save_tag
         )
     except Exception:  # noqa: BLE001 - reported on every rank by the request

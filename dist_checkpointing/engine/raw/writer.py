@@ -113,25 +113,46 @@ class _Leaves:
 _NO_RANGE = (0, 0)
 
 
-def _collect(leaves: list[ShardedBase]) -> _Leaves:
-    out = _Leaves()
+def planned_leaves(leaves: list[ShardedBase]) -> list[ShardedBase]:
+    """The leaves a rank's plan has an item for, in item order: its main replicas,
+    but for empty flat ranges (nothing to store)."""
+    out: list[ShardedBase] = []
     for sh in leaves:
         rid = sh.replica_id
         if rid != 0 and not is_main_replica(rid):
             continue
         if isinstance(sh, ShardedTensor):
+            fr = sh.flattened_range
+            if fr is not None and fr.stop <= fr.start:
+                continue
+        elif not isinstance(sh, ShardedObject):
+            continue
+        out.append(sh)
+    return out
+
+
+def object_payload(sh: ShardedObject) -> bytes:
+    """The stored bytes of a ShardedObject (``torch.save`` of its data)."""
+    buf = io.BytesIO()
+    torch.save(sh.data, buf)
+    return buf.getvalue()
+
+
+def _collect(leaves: list[ShardedBase]) -> _Leaves:
+    out = _Leaves()
+    for sh in leaves:
+        if isinstance(sh, ShardedTensor):
             _add_tensor(out, sh)
-        elif isinstance(sh, ShardedObject):
-            buf = io.BytesIO()
-            torch.save(sh.data, buf)
-            payload = buf.getvalue()
-            out.keys.append(sh.unique_key)
-            out.kinds.append(KIND_OBJECT)
-            out.dtypes.append("uint8")
-            out.ndims.append(0)
-            out.flat += _NO_RANGE
-            out.lengths.append(len(payload))
-            out.data.append(payload)
+            continue
+        assert isinstance(sh, ShardedObject)
+        payload = object_payload(sh)
+        out.keys.append(sh.unique_key)
+        out.kinds.append(KIND_OBJECT)
+        out.dtypes.append("uint8")
+        out.ndims.append(0)
+        out.flat += _NO_RANGE
+        out.lengths.append(len(payload))
+        out.data.append(payload)
     return out
 
 
@@ -149,8 +170,6 @@ def _add_tensor(out: _Leaves, sh: ShardedTensor) -> None:
         out.flat += _NO_RANGE
     else:
         count = fr.stop - fr.start
-        if count <= 0:
-            return  # an empty flat range holds nothing
         out.kinds.append(KIND_FLAT)
         out.flat += (fr.start, fr.stop)
     dtype = sh.dtype
@@ -185,18 +204,24 @@ def _aligned(lengths: np.ndarray, alignment: int) -> np.ndarray:
     return (lengths + (alignment - 1)) // alignment * alignment
 
 
-def plan_rank(
-    leaves: list[ShardedBase],
-    root: str,
-    rank: int,
-    file_count: int,
-    alignment: int,
-    block_bytes: int,
-    save_tag: str = "",
-) -> tuple[RankWrite, IndexPiece]:
-    """Place the main-replica leaves of one rank into up to ``file_count`` data files
-    (contiguous runs of similar total size) at ``alignment``-byte offsets."""
-    c = _collect(leaves)
+@dataclass
+class Layout:
+    """Where a rank's items go, without their data: what a save of an unchanged
+    structure reuses (:mod:`.plan_reuse`). ``piece`` is the index piece's template
+    (its ``files`` and ``crcs`` are made anew for each save)."""
+
+    files_of: list[int]  # each item's file
+    offsets: list[int]  # each item's offset in its file
+    lengths: list[int]  # each item's bytes
+    firsts: list[int]  # the first item of each file
+    sizes: list[int]  # each file's bytes
+    crc_total: int
+    piece: IndexPiece
+
+
+def _layout(c: _Leaves, file_count: int, alignment: int, block_bytes: int) -> Layout:
+    """Place the collected items into up to ``file_count`` data files (contiguous runs
+    of similar total size) at ``alignment``-byte offsets."""
     n = len(c.kinds)
     lengths = np.array(c.lengths, dtype=np.int64)
     padded = _aligned(lengths, alignment)
@@ -234,29 +259,96 @@ def plan_rank(
     flat = np.array(c.flat, dtype=np.int64).reshape(n, 2)  # from plain ints: fast
     e["flat_start"], e["flat_stop"] = flat[:, 0], flat[:, 1]
     e["crc_start"] = np.cumsum(crc_counts) - crc_counts
-    names = [data_file_name(rank, f, save_tag) for f in range(files)] if n else []
-    items: list[list[tuple[int, int, Any]]] = [[] for _ in names]
-    files_of = file_of.tolist()
-    for f, off, length, data in zip(files_of, offsets.tolist(), c.lengths, c.data):
-        items[f].append((off, length, data))
-    sizes = [f_items[-1][0] + f_items[-1][1] for f_items in items]
-    special = [(files_of[i], i - int(firsts[files_of[i]])) for i in c.special]
-    write = RankWrite(root, names, items, block_bytes, sizes=sizes, special=special)
+    files_of = file_of.tolist() if n else []
+    offsets_l = offsets.tolist() if n else []
+    sizes = [0] * files if n else []
+    for f, off, length in zip(files_of, offsets_l, c.lengths):
+        sizes[f] = off + length  # items in file order: the last one ends the file
     piece = IndexPiece(
-        files=names,
+        files=[],
         file_sizes=sizes,
         entries=e,
         dims=np.array(c.dims, dtype="<i8"),
-        crcs=np.zeros(int(crc_counts.sum()), dtype="<u4"),
+        crcs=np.zeros(0, dtype="<u4"),
         keys=key_blob,
         dtypes=dtype_names,
+    )
+    crc_total = int(crc_counts.sum())
+    return Layout(files_of, offsets_l, list(c.lengths), firsts.tolist(), sizes, crc_total, piece)
+
+
+def assemble(
+    layout: Layout,
+    data: list[Any],
+    special: list[int],
+    root: str,
+    rank: int,
+    block_bytes: int,
+    save_tag: str,
+) -> tuple[RankWrite, IndexPiece]:
+    """The :class:`RankWrite` and :class:`~.index.IndexPiece` of ``layout`` with
+    ``data`` (one per item; ``special``: the items the staging step must look at)."""
+    names = [data_file_name(rank, f, save_tag) for f in range(len(layout.sizes))]
+    items: list[list[tuple[int, int, Any]]] = [[] for _ in names]
+    for f, off, length, value in zip(layout.files_of, layout.offsets, layout.lengths, data):
+        items[f].append((off, length, value))
+    firsts, files_of = layout.firsts, layout.files_of
+    where = [(files_of[i], i - firsts[files_of[i]]) for i in special]
+    write = RankWrite(root, names, items, block_bytes, sizes=list(layout.sizes), special=where)
+    t = layout.piece
+    piece = IndexPiece(
+        files=names,
+        file_sizes=list(layout.sizes),
+        entries=t.entries.copy(),
+        dims=t.dims.copy(),
+        crcs=np.zeros(layout.crc_total, dtype="<u4"),
+        keys=t.keys,
+        dtypes=list(t.dtypes),
     )
     return write, piece
 
 
+def plan_rank(
+    leaves: list[ShardedBase],
+    root: str,
+    rank: int,
+    file_count: int,
+    alignment: int,
+    block_bytes: int,
+    save_tag: str = "",
+) -> tuple[RankWrite, IndexPiece]:
+    """Place the main-replica leaves of one rank into up to ``file_count`` data files
+    (contiguous runs of similar total size) at ``alignment``-byte offsets."""
+    write, piece, _ = plan_layout(
+        planned_leaves(leaves), root, rank, file_count, alignment, block_bytes, save_tag
+    )
+    return write, piece
+
+
+def plan_layout(
+    planned: list[ShardedBase],
+    root: str,
+    rank: int,
+    file_count: int,
+    alignment: int,
+    block_bytes: int,
+    save_tag: str = "",
+) -> tuple[RankWrite, IndexPiece, Layout]:
+    """:func:`plan_rank` of the :func:`planned_leaves` ``planned``, and its layout."""
+    c = _collect(planned)
+    layout = _layout(c, file_count, alignment, block_bytes)
+    write, piece = assemble(layout, c.data, c.special, root, rank, block_bytes, save_tag)
+    return write, piece, layout
+
+
 __all__ = [
+    "Layout",
     "RankWrite",
     "StageRankWrite",
+    "assemble",
     "data_file_name",
+    "object_payload",
+    "plan_layout",
     "plan_rank",
+    "planned_leaves",
 ]
