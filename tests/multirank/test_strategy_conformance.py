@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import dist_checkpointing as dc
-from dist_checkpointing.dict_utils import nested_values
 from dist_checkpointing import ShardedObject
+from dist_checkpointing.dict_utils import nested_values
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from tests.support.harness import run_distributed
