@@ -28,14 +28,12 @@ transfers are not simulated, their bytes are printed.
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import pickle
 from collections import defaultdict
 from typing import Any
 
-from planning_scale import TP, measure, param_keys, rank_records, row
+from planning_scale import TP, measure, param_keys, rank_records, row, scale_args
 
 from dist_checkpointing.engine.shard_distribution import Row, combine, owned, rows_by_owner
 from dist_checkpointing.exchange_utils import distribute_shards_to_ranks
@@ -103,20 +101,10 @@ def run(world: int, keys: list[str], optimizer: bool, memory: bool, old: bool) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    parser.add_argument("--tensors", type=int, default=1000, help="model tensors per rank")
-    parser.add_argument("--optimizer", action="store_true", help="add distributed-optimizer state")
-    parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
-    parser.add_argument("--skip-old", action="store_true", help="skip the gathered distribution")
-    args = parser.parse_args()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return  # under torchrun: rank 0 simulates every rank by itself
+    args = scale_args(__doc__ or "", "the gathered distribution")
+    if args is None:
+        return
     keys = param_keys(args.tensors)
-    print(f"TP={TP}, {args.tensors} model tensors per rank, optimizer state: {args.optimizer}")
-    print(f"{'ranks':>6} {'step':24} {'cpu s':>9} {'peak MiB':>10}")
     for world in args.ranks:
         if world % TP or world < 2 * TP:
             raise SystemExit(f"--ranks must be multiples of {TP}, at least {2 * TP}")

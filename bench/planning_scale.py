@@ -360,21 +360,30 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
     return times
 
 
-def main() -> None:
+def scale_args(doc: str, old: str) -> argparse.Namespace | None:
+    """The arguments of a simulation at scale (``old``: what ``--skip-old`` skips), its
+    header printed; None under torchrun but on rank 0 (which simulates every rank)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--tensors", type=int, default=1000, help="model tensors per rank")
     parser.add_argument("--optimizer", action="store_true", help="add distributed-optimizer state")
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
-    parser.add_argument("--skip-old", action="store_true", help="skip the centralized check")
+    parser.add_argument("--skip-old", action="store_true", help=f"skip {old}")
     args = parser.parse_args()
     if int(os.environ.get("RANK", "0")) != 0:
-        return  # under torchrun: rank 0 simulates every rank by itself
-    keys = param_keys(args.tensors)
+        return None
     print(f"TP={TP}, {args.tensors} model tensors per rank, optimizer state: {args.optimizer}")
     print(f"{'ranks':>6} {'step':24} {'cpu s':>9} {'peak MiB':>10}")
+    return args
+
+
+def main() -> None:
+    args = scale_args(__doc__ or "", "the centralized check")
+    if args is None:
+        return
+    keys = param_keys(args.tensors)
     for world in args.ranks:
         if world % TP:
             raise SystemExit(f"--ranks must be multiples of {TP}")

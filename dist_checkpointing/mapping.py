@@ -458,6 +458,19 @@ _tensor_fields = attrgetter(
 )
 _object_fields = attrgetter("key", "data", "global_shape", "global_offset", "replica_id")
 
+# The fields of a ShardedTensor that where and how a layout stores it depend on (its data
+# and replica aside): leaves with equal values are planned alike, so a save strategy's
+# cached plan compares them (torch_dist's planner, raw_bytes' plan_reuse).
+tensor_structure = attrgetter(
+    "key",
+    "dtype",
+    "global_shape",
+    "global_offset",
+    "local_shape",
+    "prepend_axis_num",
+    "flattened_range",
+)
+
 
 def is_sharded_base(x: object) -> TypeGuard[ShardedBase]:
     """``isinstance(x, ShardedBase)``, fast for our two leaf classes: an ``isinstance``

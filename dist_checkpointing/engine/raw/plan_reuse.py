@@ -17,31 +17,19 @@ The index and the files a reused layout gives are those a fresh plan gives
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Any
 
 import torch
 
-from ...mapping import ShardedBase, ShardedObject, ShardedTensor
+from ...mapping import ShardedBase, ShardedObject, ShardedTensor, tensor_structure
 from .index import ITEMSIZE, IndexPiece
-from .writer import Layout, RankWrite, assemble, object_payload, plan_layout, planned_leaves
-
-# Every field of a ShardedTensor that its index entry depends on.
-_tensor_fields = attrgetter(
-    "key",
-    "dtype",
-    "global_shape",
-    "global_offset",
-    "local_shape",
-    "prepend_axis_num",
-    "flattened_range",
-)
+from .writer import Layout, RankWrite, assemble, object_payload, plan_items, planned_leaves
 
 
 def _signature(planned: list[ShardedBase]) -> list[tuple[Any, ...]]:
     # An object's payload length is checked when its data is taken.
     return [
-        _tensor_fields(sh) if isinstance(sh, ShardedTensor) else ("object", sh.unique_key)
+        tensor_structure(sh) if isinstance(sh, ShardedTensor) else ("object", sh.unique_key)
         for sh in planned
         if isinstance(sh, (ShardedTensor, ShardedObject))
     ]
@@ -104,11 +92,9 @@ class LayoutCache:
                 self.reused += 1
                 return assemble(layout, *taken, root, rank, block_bytes, save_tag)
         self.layout = None  # a failing plan leaves nothing to reuse
-        write, piece, layout = plan_layout(
-            planned, root, rank, file_count, alignment, block_bytes, save_tag
-        )
+        layout, data, special = plan_items(planned, file_count, alignment, block_bytes)
         self.setting, self.signature, self.layout = setting, signature, layout
-        return write, piece
+        return assemble(layout, data, special, root, rank, block_bytes, save_tag)
 
 
 __all__ = ["LayoutCache"]

@@ -308,6 +308,15 @@ def assemble(
     return write, piece
 
 
+def plan_items(
+    planned: list[ShardedBase], file_count: int, alignment: int, block_bytes: int
+) -> tuple[Layout, list[Any], list[int]]:
+    """The layout of the :func:`planned_leaves` ``planned``, their data and the items
+    the staging step must look at (the arguments of :func:`assemble`)."""
+    c = _collect(planned)
+    return _layout(c, file_count, alignment, block_bytes), c.data, c.special
+
+
 def plan_rank(
     leaves: list[ShardedBase],
     root: str,
@@ -319,26 +328,8 @@ def plan_rank(
 ) -> tuple[RankWrite, IndexPiece]:
     """Place the main-replica leaves of one rank into up to ``file_count`` data files
     (contiguous runs of similar total size) at ``alignment``-byte offsets."""
-    write, piece, _ = plan_layout(
-        planned_leaves(leaves), root, rank, file_count, alignment, block_bytes, save_tag
-    )
-    return write, piece
-
-
-def plan_layout(
-    planned: list[ShardedBase],
-    root: str,
-    rank: int,
-    file_count: int,
-    alignment: int,
-    block_bytes: int,
-    save_tag: str = "",
-) -> tuple[RankWrite, IndexPiece, Layout]:
-    """:func:`plan_rank` of the :func:`planned_leaves` ``planned``, and its layout."""
-    c = _collect(planned)
-    layout = _layout(c, file_count, alignment, block_bytes)
-    write, piece = assemble(layout, c.data, c.special, root, rank, block_bytes, save_tag)
-    return write, piece, layout
+    planned = plan_items(planned_leaves(leaves), file_count, alignment, block_bytes)
+    return assemble(*planned, root, rank, block_bytes, save_tag)
 
 
 __all__ = [
@@ -348,7 +339,7 @@ __all__ = [
     "assemble",
     "data_file_name",
     "object_payload",
-    "plan_layout",
+    "plan_items",
     "plan_rank",
     "planned_leaves",
 ]

@@ -34,7 +34,6 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -68,7 +67,7 @@ from ...errors import (
     KeyMismatchError,
     ShapeMismatchError,
 )
-from ...mapping import ShardedBase, ShardedObject, ShardedTensor
+from ...mapping import ShardedBase, ShardedObject, ShardedTensor, tensor_structure
 from .layout import (
     ND_REFORMULATED_SHAPE_KEY,
     stored_chunk,
@@ -79,19 +78,6 @@ logger = logging.getLogger(__name__)
 
 ByKey = dict[str, list[ShardedBase]]
 ObjectLoader = Callable[[bytes, str], Any]
-
-
-# Every field of a ShardedTensor that its write item depends on (``stored_chunk``,
-# the dtype, the reformulated shape of a flat tensor).
-_tensor_signature = attrgetter(
-    "key",
-    "dtype",
-    "global_shape",
-    "global_offset",
-    "local_shape",
-    "prepend_axis_num",
-    "flattened_range",
-)
 
 
 def serialize_object(data: Any) -> io.BytesIO:
@@ -152,7 +138,7 @@ class MCoreSavePlanner(DefaultSavePlanner):
         """What :meth:`create_local_plan` makes of the state dict, leaf by leaf in plan
         order: two state dicts with equal signatures get equal plans (data aside).
         About 0.3 microseconds per leaf, against about 10 to build its item."""
-        signature = _tensor_signature
+        signature = tensor_structure
         return [
             signature(sh) if isinstance(sh, ShardedTensor) else (key,)
             for key, shards in self.state_dict.items()
