@@ -89,6 +89,17 @@ class LoadPlanner(ReshardPlanner):
         assert data is not None
         rows = self._by_key.get(sh.key) or self._rows(sh.key)
         d = self._dims
+        if len(rows) == 1 and sh.flattened_range is None and not sh.prepend_axis_num:
+            # One stored chunk, a plain block (most loads): the same chunk, one compare.
+            row = rows[0]
+            n, at = self._ndim[row], self._dims_start[row]
+            if self._kind[row] == KIND_GRID and d[at : at + 3 * n] == [
+                *sh.global_shape,
+                *sh.global_offset,
+                *sh.local_shape,
+            ]:
+                self._add_exact(row, data)
+                return
         first = rows[0]
         n, at = self._ndim[first], self._dims_start[first]
         gshape = list(sh.global_shape)
@@ -134,10 +145,15 @@ class LoadPlanner(ReshardPlanner):
         else:
             dest = torch.empty(data.shape, dtype=dtype)
             self.plan.copies.append(partial(copy_reshaped, data, dest))
-        buf = (ctypes.c_char * length).from_address(dest.data_ptr()) if length else b""
-        if length and dest is data:  # straight into the request: see _isolate_shared
-            self._note_group(dest, [len(self.plan.reads)])
-        self.plan.reads.append(Read(row, 0, length, buf, self._offsets[row]))
+        reads = self.plan.reads
+        if length:
+            address = dest.data_ptr()
+            buf: Any = (ctypes.c_char * length).from_address(address)
+            if dest is data:  # straight into the request: see _isolate_shared
+                self._note_group(address, length, [len(reads)])
+        else:
+            buf = b""
+        reads.append(Read(row, 0, length, buf, self._offsets[row]))
 
     def _streams(self, length: int) -> bool:
         """Whether an entry of ``length`` bytes for an accelerator destination streams

@@ -94,12 +94,12 @@ class ReshardPlanner:
     def _read(self, row: int, entry_offset: int, length: int, dest: Any) -> Read:
         return Read(row, entry_offset, length, dest, self._offsets[row] + entry_offset)
 
-    def _note_group(self, memory: torch.Tensor, reads: list[int]) -> None:
-        """Note that ``reads`` (indexes in plan.reads) land in one request's ``memory``
-        (see ``LoadPlanner._isolate_shared``)."""
+    def _note_group(self, address: int, nbytes: int, reads: list[int]) -> None:
+        """Note that ``reads`` (indexes in plan.reads) land in one request's memory,
+        ``nbytes`` at ``address`` (see ``LoadPlanner._isolate_shared``)."""
         starts, lengths, groups = self._groups
-        starts.append(memory.data_ptr())
-        lengths.append(memory.nbytes)
+        starts.append(address)
+        lengths.append(nbytes)
         groups.append(reads)
 
     def _flat_parts(
@@ -164,7 +164,7 @@ class ReshardPlanner:
         out = dest.as_strided((dest.numel(),), (1,)).view(torch.uint8)
         self._read_parts(parts, fr.start, out, ITEMSIZE[dtype], into)
         if into:
-            self._note_group(dest, into)
+            self._note_group(dest.data_ptr(), dest.nbytes, into)
         return True
 
     def _read_bytes(
@@ -232,7 +232,7 @@ class ReshardPlanner:
         for row in rows:
             covered += self._fill_from(row, sh.key, box, out, seen, into)
         if into:
-            self._note_group(out, into)
+            self._note_group(out.data_ptr(), out.nbytes, into)
         if covered != math.prod(box[1]) and not sh.allow_shape_mismatch:
             raise CorruptCheckpointError(
                 f"'{sh.key}': the checkpoint's chunks cover {covered} of the "
