@@ -35,7 +35,7 @@ from typing import Any
 
 from planning_scale import TP, measure, param_keys, rank_records, row, scale_args
 
-from dist_checkpointing.engine.shard_distribution import Row, combine, owned, rows_by_owner
+from dist_checkpointing.engine.shard_distribution import Owned, Row, combine, owned, rows_by_owner
 from dist_checkpointing.exchange_utils import distribute_shards_to_ranks
 
 
@@ -84,11 +84,11 @@ def run(world: int, keys: list[str], optimizer: bool, memory: bool, old: bool) -
     total += seconds
     parts = [owned([outgoing[r][o] for r in range(group)], group, False) for o in range(group)]
     loads = [sum(p[1][r] for p in parts) for r in range(group)]
-    shared = [pickle.dumps(p[0], protocol=5) for p in parts]
+    shared = [pickle.dumps((p[0].everyone, p[0].partial), protocol=5) for p in parts]
 
     def finish() -> Any:
-        every = [s for blob in shared for s in pickle.loads(blob)]
-        return combine(mine, every, loads, 0, False)
+        received = [Owned(*pickle.loads(blob)) for blob in shared]
+        return combine(mine, received, loads, 0, False)
 
     seconds, peak, got = measure(finish, memory)
     row(world, f"combine ({sum(map(len, shared)) >> 10} KiB in)", seconds, peak)
@@ -96,7 +96,7 @@ def run(world: int, keys: list[str], optimizer: bool, memory: bool, old: bool) -
     if old:  # last: its memory pass would slow the steps after it
         seconds, peak, expected = measure(lambda: old_way(blobs, group), memory)
         row(world, f"gathered (old, {sum(map(len, blobs)) >> 20} MiB)", seconds, peak)
-        known = {s for s, _, _ in mine} | {s.shard_id for p in parts for s in p[0]}
+        known = {s for s, _, _ in mine} | got.shared
         assert got.main_rank == {s: r for s, r in expected.items() if s in known}
 
 

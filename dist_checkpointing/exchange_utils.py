@@ -154,21 +154,20 @@ def determine_main_replica_uniform_distribution(
             main[shard_id] = main.get(shard_id, False) or is_main_replica(sh.replica_id)
     rows = [(shard_id, _shard_size(sh), main[shard_id]) for shard_id, sh in local.items()]
     found = distribute(rows, group, ignore_groups)
-    metadata = _shard_metadata(local, found.shared, group)
+    metadata = _shard_metadata(local, found.partial, group)
     return ShardDistribution(found.main_rank, set(found.main_rank), metadata, found.holders)
 
 
 def _shard_metadata(
     local: dict[_ShardId, ShardedTensor],
-    shared: list[Shared[_ShardId]],
+    partial: list[Shared[_ShardId]],
     group: RankGroup,
 ) -> dict[_ShardId, ShardedTensor]:
     """A data-less ShardedTensor for every shard this rank holds and every shard several
-    ranks hold: for those it lacks, the one sent by their lowest holding rank (one
-    ``all_gather_object``, made only where some rank lacks such a shard; every rank
-    decides that alike, from the same shared shards)."""
+    ranks hold: for those some rank lacks (``partial``), the one sent by their lowest
+    holding rank (one ``all_gather_object``, made only where there are such shards;
+    every rank decides that alike, from the same shared shards)."""
     metadata = {shard_id: sh.without_data() for shard_id, sh in local.items()}
-    partial = [s for s in shared if len(s.holders) < group.world]
     if not partial:
         return metadata
     mine = {s.shard_id: metadata[s.shard_id] for s in partial if s.holders[0] == group.rank}

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dist_checkpointing.engine.shard_distribution import (
     Distribution,
+    Owned,
     Row,
     combine,
     owned,
@@ -27,15 +28,16 @@ ShardId = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 def simulate(per_rank: list[list[Row[Any]]], ignore_groups: bool) -> list[Distribution[Any]]:
     """Every rank's result, the collectives done by hand: the all-to-all is a transpose,
-    the all-reduce a sum, the all-gather a concatenation."""
+    the all-reduce a sum, the all-gather a concatenation (through pickle, as they go)."""
     world = len(per_rank)
     outgoing = [rows_by_owner(rows, world) for rows in per_rank]
     results = [
         owned([outgoing[r][o] for r in range(world)], world, ignore_groups) for o in range(world)
     ]
     loads = [sum(part[1][r] for part in results) for r in range(world)]
-    shared = [s for part in results for s in part[0]]
-    return [combine(per_rank[r], shared, loads, r, ignore_groups) for r in range(world)]
+    sent = [pickle.loads(pickle.dumps((p.everyone, p.partial))) for p, _ in results]
+    parts = [Owned(e, p) for e, p in sent]
+    return [combine(per_rank[r], parts, loads, r, ignore_groups) for r in range(world)]
 
 
 # A shard: which ranks hold it (a bitmask over up to 6 ranks), its bytes, and which of
@@ -73,8 +75,9 @@ def test_owners_give_the_greedy_over_the_whole_group(
         known = {s for s, ranks in holders.items() if rank in ranks or len(ranks) > 1}
         assert got.main_rank == {s: r for s, r in expected.items() if s in known}
         assert got.holders == {s: holders[s] for s in in_group if s in known}
-        assert {s.shard_id for s in got.shared} == {
-            s for s, ranks in holders.items() if len(ranks) > 1
+        assert got.shared == {s for s, ranks in holders.items() if len(ranks) > 1}
+        assert {s.shard_id for s in got.partial} == {
+            s for s, ranks in holders.items() if 1 < len(ranks) < world
         }
 
 
@@ -105,6 +108,6 @@ def test_no_rank_receives_every_rank_rows() -> None:
     for got in simulate(per_rank, ignore_groups=True):
         assert len(got.shared) == 10
         assert len(got.main_rank) == 60
-        # Held by every rank: the holders travel as a range, not 64 ranks each.
-        assert all(s.holders == range(world) for s in got.shared)
-        assert len(pickle.dumps(got.shared)) < 2000
+        # Held by every rank: no list of holders travels (nor is kept) for each.
+        assert got.partial == []
+        assert all(got.holders[s] is got.holders[shared_rows[0][0]] for s in got.shared)
