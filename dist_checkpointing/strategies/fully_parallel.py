@@ -282,9 +282,7 @@ class FullyParallelLoadStrategyWrapper(_Wrapper, LoadShardedStrategy):
             self.parallelization_group,
             self.exchange_algo,
         )
-        objects = exchange_loaded_objects_gather_object(
-            objects, parallelization_group=self.parallelization_group
-        )
+        objects = plan.exchange_objects(objects, self.parallelization_group)
         return plan.fill(tensors, objects)
 
 
@@ -300,6 +298,7 @@ class _LoadShare:
         self.sharded_state_dict = sharded_state_dict
         self.reads: dict[_ShardId, ShardedBase] = {}
         self.unloaded: dict[_ShardId, ShardedTensor] = {}
+        self.shared_objects: set[_ShardId] = set()  # objects several ranks need
         objects: dict[_ShardId, ShardedObject] = {}
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedTensor):
@@ -316,10 +315,27 @@ class _LoadShare:
         """Each object needed in the group is read by one of the ranks needing it (the
         shards' distribution, every object counted as one byte)."""
         rows = [(object_id, 1, True) for object_id in objects]
-        owner = distribute(rows, group, ignore_groups=True).main_rank
+        found = distribute(rows, group, ignore_groups=True)
+        self.shared_objects = found.shared
         for object_id, sh in objects.items():
-            if owner[object_id] == group.rank:
+            if found.main_rank[object_id] == group.rank:
                 self.reads[object_id] = sh
+
+    def exchange_objects(
+        self, loaded: dict[_ShardId, Any], parallelization_group: dist.ProcessGroup | None
+    ) -> dict[_ShardId, Any]:
+        """Every object several ranks need, from the rank that read it, to every rank of
+        the group (one ``all_gather_object``, skipped by every rank alike where there is
+        none); an object only this rank needs (its own RNG state, say) stays here."""
+        shared = self.shared_objects
+        if not shared:
+            return loaded
+        sent = {k: v for k, v in loaded.items() if k in shared}
+        received = exchange_loaded_objects_gather_object(
+            sent, parallelization_group=parallelization_group
+        )
+        received.update((k, v) for k, v in loaded.items() if k not in shared)
+        return received
 
     def to_read(self) -> ShardedStateDict:
         """The request for the wrapped strategy: this rank's share, keyed by position."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedObject, ShardedTensor
+from dist_checkpointing.engine.collectives import RankGroup
 from dist_checkpointing.exchange_utils import (
     determine_main_replica_uniform_distribution,
     distribute_shards_to_ranks,
@@ -26,6 +27,7 @@ from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
+    _LoadShare,
 )
 from dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
@@ -650,3 +652,34 @@ def test_parameters_and_optimizer_ranges_round_trip(tmp_path: Path) -> None:
     assert results == [[], [], [], []]
     written = _data_file_bytes(ckpt)
     assert len(written) >= 3, written  # not every parameter on rank 0
+
+
+def _objects_of(rank: int, world: int, empty: bool) -> dict[str, Any]:
+    """An RNG state of each rank's own (only it needs it) and an object every rank needs
+    (main replica on rank 0)."""
+    return {
+        "rng": ShardedObject("rng", None if empty else {"rank": rank}, (world,), (rank,)),
+        "sched": ShardedObject(
+            "sched", None if empty else {"step": 7}, (1,), (0,), replica_id=rank
+        ),
+    }
+
+
+def _objects_only_where_needed(ckpt: str) -> tuple[Any, Any, list[str]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dcp.save(_objects_of(rank, world, False), ckpt)
+    request = _objects_of(rank, world, True)
+    share = _LoadShare(request, None, RankGroup(None))  # type: ignore[arg-type]
+    shared = sorted(str(s) for s in share.shared_objects)
+    load = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+    loaded = dcp.load(_objects_of(rank, world, True), ckpt, sharded_strategy=load)
+    return loaded["rng"], loaded["sched"], shared
+
+
+def test_objects_go_only_where_several_ranks_need_them(tmp_path: Path) -> None:
+    """Each rank gets its own RNG state and the shared object; only the shared object is
+    exchanged (the others stay with the rank that read them, its only user)."""
+    results = run_distributed(_objects_only_where_needed, 3, str(tmp_path), timeout=TIMEOUT_S)
+    for rank, (rng, sched, shared) in enumerate(results):
+        assert rng == {"rank": rank} and sched == {"step": 7}
+        assert shared == ["('sched/shard_0_1',)"], shared
