@@ -7,8 +7,8 @@ fully parallel strategies (:mod:`.strategies.fully_parallel`):
    shard that several ranks hold, and the bytes each rank holds alone
    (:func:`~.engine.shard_distribution.distribute`: each shard's row goes to the rank
    that owns its key, never to every rank; the data-less ShardedTensor of a shard
-   several ranks hold only travels to the ranks that lack it, in a gather that a group
-   whose ranks all hold the same shards skips);
+   several ranks hold only travels to the ranks that lack it, in a gather made only
+   where some shard is held by several ranks but not by all);
 2. every rank computes the same size-balanced assignment of each shard to one of the
    ranks that hold it, the greedy of :func:`distribute_shards_to_ranks` (deterministic,
    so nothing else is exchanged);
