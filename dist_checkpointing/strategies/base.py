@@ -457,6 +457,22 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
 
+class CachedStructureOption:
+    """A save strategy's ``cached_metadata`` option under Megatron-Core's other name,
+    ``use_cached_ckpt_structure``: Megatron-LM (``--ckpt-assume-constant-structure``)
+    and NeMo turn caching on by setting it on a strategy after building it."""
+
+    cached_metadata: bool = False
+
+    @property
+    def use_cached_ckpt_structure(self) -> bool:
+        return self.cached_metadata
+
+    @use_cached_ckpt_structure.setter
+    def use_cached_ckpt_structure(self, value: bool) -> None:
+        self.cached_metadata = bool(value)
+
+
 __all__ = [
     "StrategyAction",
     "register_default_strategy",
@@ -474,6 +490,7 @@ __all__ = [
     "SaveCommonStrategy",
     "SaveShardedStrategy",
     "AsyncSaveShardedStrategy",
+    "CachedStructureOption",
     "async_calls",
     "default_strategies",
 ]

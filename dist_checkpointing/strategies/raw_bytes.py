@@ -37,6 +37,7 @@ from ..engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
 from ..mapping import ShardedStateDict, is_sharded_base
 from .base import (
     AsyncSaveShardedStrategy,
+    CachedStructureOption,
     StrategyAction,
     register_default_strategy,
 )
@@ -64,7 +65,7 @@ def register_default_raw_bytes_strategies() -> None:
     )
 
 
-class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
+class RawBytesSaveShardedStrategy(CachedStructureOption, AsyncSaveShardedStrategy):
     """Saves ShardedTensors (grid blocks and flat ranges) and ShardedObjects as raw bytes.
 
     Args:
@@ -95,16 +96,6 @@ class RawBytesSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.cached_metadata = cached_metadata
         self.layout_cache = LayoutCache()  # used while cached_metadata is set
         self.process_group = process_group
-
-    @property
-    def use_cached_ckpt_structure(self) -> bool:
-        """Megatron-Core's name of ``cached_metadata`` (Megatron-LM and NeMo set it on a
-        strategy after building it), as on the ``torch_dist`` strategy."""
-        return self.cached_metadata
-
-    @use_cached_ckpt_structure.setter
-    def use_cached_ckpt_structure(self, value: bool) -> None:
-        self.cached_metadata = bool(value)
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -38,6 +38,7 @@ from ...errors import UnsafeCheckpointError
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from ..base import (
     AsyncSaveShardedStrategy,
+    CachedStructureOption,
     StrategyAction,
     register_default_strategy,
 )
@@ -98,7 +99,7 @@ def _empty_flat(sh: ShardedBase) -> bool:
     )
 
 
-class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
+class TorchDistSaveShardedStrategy(CachedStructureOption, AsyncSaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in PyTorch DCP format.
 
     Args:
@@ -144,17 +145,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._cached_structure: CachedStructure | None = None
 
     commit_files = (METADATA_FNAME, METADATA_INDEX_NAME)
-
-    @property
-    def use_cached_ckpt_structure(self) -> bool:
-        """Megatron-Core's name of ``cached_metadata``: Megatron-LM
-        (``--ckpt-assume-constant-structure``) and NeMo turn caching on by setting it on
-        the strategy after building it."""
-        return self.cached_metadata
-
-    @use_cached_ckpt_structure.setter
-    def use_cached_ckpt_structure(self, value: bool) -> None:
-        self.cached_metadata = bool(value)
 
     @property
     def cached_structure(self) -> CachedStructure | None:
