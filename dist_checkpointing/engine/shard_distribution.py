@@ -42,8 +42,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
-import numpy as np
-
 from .collectives import RankGroup
 from .sharding_split import key_owner
 
@@ -57,9 +55,6 @@ Row = tuple[Id, int, bool]
 # owner sends one per replicated parameter, and they pickle several times faster than
 # objects of a class.
 Everyone = tuple[Id, int, bool]
-
-# Above this many holders, the least loaded one is found with numpy.
-_VECTOR_HOLDERS = 32
 
 
 class Shared(NamedTuple, Generic[Id]):
@@ -150,22 +145,11 @@ def assign_shared(
     last. Every rank computes the same result from the same input, in any order."""
     world = len(loads)
     load = list(loads)
-    vector = (
-        np.asarray(load, dtype=np.int64)
-        if any(len(s.holders) > _VECTOR_HOLDERS for s in partial)
-        else None
-    )
     out: dict[Id, int] = {}
     for s in sorted((s for s in partial if s.distributed), key=_partial_order):
-        h = s.holders
-        if vector is not None and len(h) > _VECTOR_HOLDERS:
-            rank = h[int(np.argmin(vector[np.asarray(h)]))]
-        else:
-            rank = min(h, key=load.__getitem__)  # ascending: ties to the lowest rank
+        rank = min(s.holders, key=load.__getitem__)  # ascending: ties to the lowest rank
         out[s.shard_id] = rank
         load[rank] += s.size
-        if vector is not None:
-            vector[rank] += s.size
     # Every rank a candidate: the least loaded, ties to the lowest, is the heap's top.
     heap = [(load[r], r) for r in range(world)]
     heapq.heapify(heap)
