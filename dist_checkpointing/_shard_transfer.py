@@ -27,7 +27,8 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _shard_shape(sh: ShardedTensor) -> tuple[int, ...]:
+def shard_shape(sh: ShardedTensor) -> tuple[int, ...]:
+    """The shape of a shard's data: its local shape, or its flat range's length."""
     if sh.flattened_range is not None:
         return (sh.flattened_range.stop - sh.flattened_range.start,)
     return tuple(sh.local_shape)
@@ -37,8 +38,8 @@ def _from_bytes(data: torch.Tensor, sh: ShardedTensor) -> torch.Tensor:
     """The shard described by ``sh`` from its bytes (on the CPU)."""
     data = data.cpu()
     if data.numel() == 0:
-        return torch.empty(_shard_shape(sh), dtype=sh.dtype)
-    return data.view(sh.dtype).reshape(_shard_shape(sh))
+        return torch.empty(shard_shape(sh), dtype=sh.dtype)
+    return data.view(sh.dtype).reshape(shard_shape(sh))
 
 
 def direct_target(sh: ShardedTensor | None, size: int, device: torch.device) -> torch.Tensor | None:
@@ -96,11 +97,11 @@ def _copy_target(sh: ShardedTensor, size: int) -> torch.Tensor | None:
     if (
         type(data) is torch.Tensor
         and data.dtype == sh.dtype
-        and tuple(data.shape) == _shard_shape(sh)
+        and tuple(data.shape) == shard_shape(sh)
         and data.numel() * data.element_size() == size
     ):
         return data
     return None
 
 
-__all__ = ["as_bytes", "deliver", "direct_target"]
+__all__ = ["as_bytes", "deliver", "direct_target", "shard_shape"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
@@ -35,7 +36,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from ._shard_transfer import as_bytes, deliver, direct_target
+from ._shard_transfer import as_bytes, deliver, direct_target, shard_shape
 from .dict_utils import nested_values
 from .engine import knobs
 from .engine.collectives import RankGroup
@@ -88,13 +89,7 @@ class ShardDistribution(NamedTuple):
 
 def _shard_size(sh_ten: ShardedTensor) -> int:
     """Bytes of one shard's data."""
-    if sh_ten.flattened_range is None:
-        numel = 1
-        for size in sh_ten.local_shape:
-            numel *= size
-    else:
-        numel = sh_ten.flattened_range.stop - sh_ten.flattened_range.start
-    return numel * sh_ten.dtype.itemsize
+    return math.prod(shard_shape(sh_ten)) * sh_ten.dtype.itemsize
 
 
 def distribute_shards_to_ranks(
