@@ -78,6 +78,10 @@ METADATA_PARSE_CPU_S_PER_MIB   1.0        this per MiB of the file (four times a
 METADATA_INDEX                 1          ``torch_dist`` saves write a JSON index of
                                           ``.metadata`` and loads build it from that (no
                                           pickle, no guard); 0: neither
+RAW_NARROW_ENTRIES             65536      a ``raw_bytes`` load whose index has at least this
+                                          many entries, and four times as many as the leaves
+                                          it requests, plans over the entries the request can
+                                          meet only (0: every load)
 ============================== ========== ===================================================
 """
 
@@ -278,6 +282,13 @@ METADATA_INDEX = Knob(
     0,
     "1: torch_dist saves write a JSON index of .metadata and loads read it; 0: neither",
 )
+RAW_NARROW_ENTRIES = Knob(
+    "RAW_NARROW_ENTRIES",
+    65_536,
+    0,
+    "a raw_bytes load over an index of at least this many entries (and four per leaf "
+    "requested) plans over the entries its request can meet only; 0: every load",
+)
 
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
@@ -318,6 +329,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     METADATA_PARSE_CPU_S,
     METADATA_PARSE_CPU_S_PER_MIB,
     METADATA_INDEX,
+    RAW_NARROW_ENTRIES,
 )
 
 __all__ = [

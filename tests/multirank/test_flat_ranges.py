@@ -6,7 +6,8 @@ in, the partial blocks at its ends staged and copied), not the whole block assem
 first. Property (hypothesis, run inside one rank process so that an example costs a save
 and a load, not a process group): for any cuts of a block's flattening at save and at
 load, checksum blocks of 4 KiB to 1 MiB, verified or not, destinations of the stored dtype
-or another, contiguous or strided, every request loads bit-exact. Plus: how much of the
+or another, contiguous or strided, planned over the whole index or over the entries the
+request can meet (``RAW_NARROW_ENTRIES``), every request loads bit-exact. Plus: how much of the
 block a request reads, and one memory under two keys.
 """
 
@@ -72,6 +73,7 @@ def _check_examples(examples: int) -> None:
         verify=st.booleans(),
         stored=st.sampled_from([torch.float32, torch.bfloat16, torch.int16]),
         other_dtype=st.booleans(),
+        narrow=st.booleans(),
     )
     def check(
         saved: list[int],
@@ -80,8 +82,11 @@ def _check_examples(examples: int) -> None:
         verify: bool,
         stored: torch.dtype,
         other_dtype: bool,
+        narrow: bool,
     ) -> None:
         os.environ["DIST_CKPT_CHECKSUM_BLOCK_BYTES"] = str(block)
+        # narrow: the load plans over the index entries its request can meet only
+        os.environ["DIST_CKPT_RAW_NARROW_ENTRIES"] = "0" if narrow else "65536"
         ref = _reference(stored)
         with tempfile.TemporaryDirectory() as root:
             dc.save({"w": _pieces("w", ref, saved, stored)}, root, ("raw_bytes", 1))

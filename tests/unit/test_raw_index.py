@@ -23,9 +23,9 @@ from dist_checkpointing.engine.raw.index import (
     ENTRY_DTYPE,
     MAGIC,
     RawIndex,
-    merge_pieces,
     parse_index,
 )
+from dist_checkpointing.engine.raw.pieces import merge_pieces
 from dist_checkpointing.engine.raw.writer import plan_rank
 from dist_checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
 

@@ -13,8 +13,8 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
-from dist_checkpointing.engine.raw.index import IndexPiece
 from dist_checkpointing.engine.raw.load import read_index
+from dist_checkpointing.engine.raw.pieces import IndexPiece
 from dist_checkpointing.engine.raw.plan_reuse import LayoutCache
 from dist_checkpointing.engine.raw.writer import RankWrite, plan_rank
 from dist_checkpointing.engine.storage.location import CheckpointDir

@@ -150,15 +150,13 @@ class RawIndex:
         text = json.dumps(header, separators=(",", ":")).encode()
         head = MAGIC + len(text).to_bytes(4, "little") + text
         head += b"\0" * (-len(head) % 8)
-        return b"".join(
-            (
-                head,
-                self.entries.astype(ENTRY_DTYPE, copy=False).tobytes(),
-                self.dims.astype("<i8", copy=False).tobytes(),
-                self.crcs.astype("<u4", copy=False).tobytes(),
-                self.keys,
-            )
-        )
+        sections = (
+            self.entries.astype(ENTRY_DTYPE, copy=False),
+            self.dims.astype("<i8", copy=False),
+            self.crcs.astype("<u4", copy=False),
+        )  # joined as they are (one copy): a large index is hundreds of MiB
+        views: list[Any] = [np.ascontiguousarray(a).view(np.uint8) for a in sections]
+        return b"".join((head, *views, self.keys))
 
     def without_rows(self, drop: np.ndarray) -> tuple[RawIndex, list[str]]:
         """This index without the entries where ``drop`` is True, and the names of
@@ -419,68 +417,17 @@ def raw_items_by_file(index: RawIndex) -> dict[str, list[ItemChecksum]]:
     return out
 
 
-# --------------------------------------------------------------------------- assembly
-
-
-@dataclass
-class IndexPiece:
-    """One rank's part of the index, with rank-local file, dims, crc and key positions."""
-
-    files: list[str]
-    file_sizes: list[int]
-    entries: np.ndarray
-    dims: np.ndarray
-    crcs: np.ndarray
-    keys: bytes
-    dtypes: list[str]
-
-
-def merge_pieces(pieces: list[IndexPiece], alignment: int, block_bytes: int) -> RawIndex:
-    """The index of a save: every rank's piece, positions shifted into one index."""
-    dtypes: list[str] = []
-    for p in pieces:
-        dtypes += [d for d in p.dtypes if d not in dtypes]
-    parts = []
-    files: list[str] = []
-    dims_at = crcs_at = keys_at = 0
-    for p in pieces:
-        e = p.entries.copy()
-        remap = np.array([dtypes.index(d) for d in p.dtypes] or [0], dtype=np.uint8)
-        e["dtype"] = remap[e["dtype"]]
-        e["file"] += np.uint32(len(files))
-        e["dims_start"] += np.uint64(dims_at)
-        e["crc_start"] += np.uint64(crcs_at)
-        e["key_start"] += np.uint64(keys_at)
-        parts.append(e)
-        files += p.files
-        dims_at += len(p.dims)
-        crcs_at += len(p.crcs)
-        keys_at += len(p.keys)
-    return RawIndex(
-        alignment=alignment,
-        block_bytes=block_bytes,
-        dtypes=dtypes,
-        files=files,
-        entries=np.concatenate(parts) if parts else np.zeros(0, ENTRY_DTYPE),
-        dims=np.concatenate([p.dims for p in pieces]) if pieces else np.zeros(0, "<i8"),
-        crcs=np.concatenate([p.crcs for p in pieces]) if pieces else np.zeros(0, "<u4"),
-        keys=b"".join(p.keys for p in pieces),
-    )
-
-
 __all__ = [
     "DATA_SUFFIX",
     "DTYPES",
     "ENTRY_DTYPE",
     "INDEX_NAME",
-    "IndexPiece",
     "KIND_FLAT",
     "KIND_GRID",
     "KIND_OBJECT",
     "RawIndex",
     "dtype_name",
     "is_raw_bytes_file",
-    "merge_pieces",
     "parse_index",
     "raw_items_by_file",
 ]

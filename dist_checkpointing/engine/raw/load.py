@@ -5,7 +5,8 @@ failure on every rank):
 
 1. :func:`read_index`: ``.raw_index`` read through the checkpoint handle (checked
    against the commit record), parsed once per handle;
-2. :func:`load_leaves`: plan every requested leaf (:mod:`.load_plan`), read
+2. :func:`load_leaves`: narrow a large index to the entries the request can use
+   (:mod:`.request_rows`), plan every requested leaf (:mod:`.load_plan`), read
    (:mod:`.reader`), run the copies, stream the whole entries that go to
    accelerator tensors through the staging pool (:func:`fill_devices`), unpickle
    the objects with the caller's restricted loader.
@@ -20,12 +21,14 @@ from typing import Any
 import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+from .. import knobs
 from ..storage.location import CheckpointDir
 from ..storage.staging_pool import callers_stream, fill_from_host
 from ..storage.tensor_bytes import buffer_of
 from .index import INDEX_NAME, KIND_FLAT, KIND_OBJECT, RawIndex, parse_index
 from .load_plan import LoadPlanner, finish_objects
 from .reader import RawReader, Read
+from .request_rows import key_table, rows_for, subset
 from .reshard_plan import LoadPlan
 
 
@@ -48,7 +51,8 @@ def load_leaves(
 ) -> None:
     """Fill every leaf: tensors in place (``data`` allocated on the CPU if None),
     objects' ``data`` set to the unpickled payload."""
-    index = read_index(ckpt)
+    leaves = list(leaves)
+    index = narrowed(ckpt, read_index(ckpt), leaves)
     planner = LoadPlanner(index)
     for sh in leaves:
         if isinstance(sh, ShardedTensor):
@@ -67,6 +71,18 @@ def load_leaves(
         copy()
     fill_devices(reader, plan)
     finish_objects(plan, load_object)
+
+
+def narrowed(ckpt: CheckpointDir, index: RawIndex, leaves: list[ShardedBase]) -> RawIndex:
+    """``index``, or where it is large against the request (``RAW_NARROW_ENTRIES``:
+    below it, planning over the whole index costs less than narrowing it), the part of
+    it that ``leaves`` can use (:mod:`.request_rows`; the key numbers are kept once per
+    handle)."""
+    least, n = knobs.RAW_NARROW_ENTRIES.get(), len(index.entries)
+    if least and (n < least or n < 4 * len(leaves)):
+        return index
+    table = ckpt.memo(INDEX_NAME + "#keys", lambda: key_table(index))
+    return subset(index, rows_for(index, table, leaves))
 
 
 def fill_devices(reader: RawReader, plan: LoadPlan) -> None:
@@ -154,4 +170,11 @@ def files_holding(index: RawIndex, keys: set[str]) -> set[str]:
     }
 
 
-__all__ = ["files_holding", "load_leaves", "objects_metadata", "read_index", "tensors_metadata"]
+__all__ = [
+    "files_holding",
+    "load_leaves",
+    "narrowed",
+    "objects_metadata",
+    "read_index",
+    "tensors_metadata",
+]

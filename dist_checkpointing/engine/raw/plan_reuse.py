@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedTensor, tensor_structure
-from .index import ITEMSIZE, IndexPiece
+from .index import ITEMSIZE
+from .pieces import IndexPiece
 from .writer import Layout, RankWrite, assemble, object_payload, plan_items, planned_leaves
 
 

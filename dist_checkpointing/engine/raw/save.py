@@ -40,7 +40,8 @@ from ..storage.item_checksums import DataFileEntry
 from ..storage.location import CheckpointDir
 from ..storage.results_channel import FileResultsQueue
 from .data_files import FileWritten, write_rank
-from .index import INDEX_NAME, IndexPiece, merge_pieces
+from .index import INDEX_NAME
+from .pieces import IndexPiece, merge_pieces
 from .plan_reuse import LayoutCache
 from .writer import RankWrite, StageRankWrite, plan_rank
 

@@ -2,7 +2,7 @@
 
 :func:`plan_rank` turns a rank's main-replica leaves into one :class:`RankWrite`
 (which bytes go where: a few data files per rank, every item at an aligned
-offset) and the rank's :class:`~.index.IndexPiece` (entries built as numpy
+offset) and the rank's :class:`~.pieces.IndexPiece` (entries built as numpy
 arrays from plain lists: no Python object per item beyond the list entries).
 :func:`.data_files.write_rank` writes the files.
 """
@@ -28,9 +28,9 @@ from .index import (
     KIND_FLAT,
     KIND_GRID,
     KIND_OBJECT,
-    IndexPiece,
     dtype_name,
 )
+from .pieces import IndexPiece
 
 
 def data_file_name(rank: int, n: int, save_tag: str = "") -> str:
@@ -219,6 +219,30 @@ class Layout:
     piece: IndexPiece
 
 
+def _key_section(c: _Leaves) -> tuple[bytes, np.ndarray, np.ndarray, list[int]]:
+    """The piece's key bytes, each item's key start and length in them, and the byte
+    lengths of the runs the coordinator may share with other pieces
+    (:func:`.pieces.merge_pieces`): the keys of flat ranges first (the ranks of a
+    data-parallel group store the same optimizer keys), then the others."""
+    n = len(c.keys)
+    kinds = np.array(c.kinds, dtype=np.uint8)
+    order = np.argsort(kinds != KIND_FLAT, kind="stable") if n else kinds
+    keys = [c.keys[i] for i in order.tolist()]
+    blob = "".join(keys).encode()
+    lens = np.fromiter(map(len, keys), dtype=np.int64, count=n)
+    if len(blob) != int(lens.sum()):  # non-ASCII keys: count bytes
+        lens = np.fromiter((len(k.encode()) for k in keys), dtype=np.int64, count=n)
+    starts = np.empty(n, dtype=np.int64)
+    starts[order] = np.cumsum(lens) - lens
+    flat_bytes = int(lens[: int((kinds == KIND_FLAT).sum())].sum())
+    return (
+        blob,
+        starts,
+        lens[np.argsort(order)] if n else lens,
+        [flat_bytes, len(blob) - flat_bytes],
+    )
+
+
 def _layout(c: _Leaves, file_count: int, alignment: int, block_bytes: int) -> Layout:
     """Place the collected items into up to ``file_count`` data files (contiguous runs
     of similar total size) at ``alignment``-byte offsets."""
@@ -237,16 +261,13 @@ def _layout(c: _Leaves, file_count: int, alignment: int, block_bytes: int) -> La
     dtype_names = sorted(set(c.dtypes)) or ["uint8"]
     dtype_ids = {d: i for i, d in enumerate(dtype_names)}
     ndims = np.array(c.ndims, dtype=np.int64)
-    key_blob = "".join(c.keys).encode()
-    key_lens = np.fromiter(map(len, c.keys), dtype=np.int64, count=n)
-    if len(key_blob) != int(key_lens.sum()):  # non-ASCII keys: count bytes
-        key_lens = np.fromiter((len(k.encode()) for k in c.keys), dtype=np.int64, count=n)
+    key_blob, key_starts, key_lens, key_runs = _key_section(c)
     if block_bytes:
         crc_counts = np.maximum(-(-lengths // block_bytes), 1)
     else:
         crc_counts = np.zeros(n, dtype=np.int64)
     e = np.zeros(n, dtype=ENTRY_DTYPE)
-    e["key_start"] = np.cumsum(key_lens) - key_lens
+    e["key_start"] = key_starts
     e["key_len"] = key_lens
     e["kind"] = c.kinds
     e["dtype"] = [dtype_ids[d] for d in c.dtypes]
@@ -272,6 +293,7 @@ def _layout(c: _Leaves, file_count: int, alignment: int, block_bytes: int) -> La
         crcs=np.zeros(0, dtype="<u4"),
         keys=key_blob,
         dtypes=dtype_names,
+        key_runs=key_runs,
     )
     crc_total = int(crc_counts.sum())
     return Layout(files_of, offsets_l, list(c.lengths), firsts.tolist(), sizes, crc_total, piece)
@@ -286,7 +308,7 @@ def assemble(
     block_bytes: int,
     save_tag: str,
 ) -> tuple[RankWrite, IndexPiece]:
-    """The :class:`RankWrite` and :class:`~.index.IndexPiece` of ``layout`` with
+    """The :class:`RankWrite` and :class:`~.pieces.IndexPiece` of ``layout`` with
     ``data`` (one per item; ``special``: the items the staging step must look at)."""
     names = [data_file_name(rank, f, save_tag) for f in range(len(layout.sizes))]
     items: list[list[tuple[int, int, Any]]] = [[] for _ in names]
@@ -304,6 +326,7 @@ def assemble(
         crcs=np.zeros(layout.crc_total, dtype="<u4"),
         keys=t.keys,
         dtypes=list(t.dtypes),
+        key_runs=t.key_runs,
     )
     return write, piece
 

@@ -1,0 +1,107 @@
+"""One rank's part of a ``raw_bytes`` index (:class:`IndexPiece`) and the coordinator's
+merge of every rank's part into the index of the save (:func:`merge_pieces`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .index import ENTRY_DTYPE, RawIndex
+
+
+@dataclass
+class IndexPiece:
+    """One rank's part of the index, with rank-local file, dims, crc and key positions."""
+
+    files: list[str]
+    file_sizes: list[int]
+    entries: np.ndarray
+    dims: np.ndarray
+    crcs: np.ndarray
+    keys: bytes
+    dtypes: list[str]
+    # Byte lengths of consecutive runs of ``keys`` (summing to its length) that the
+    # coordinator writes once when another piece has the same run.
+    key_runs: list[int] = field(default_factory=list)
+
+
+def merge_pieces(pieces: list[IndexPiece], alignment: int, block_bytes: int) -> RawIndex:
+    """The index of a save: every rank's piece, positions shifted into one index
+    (vectorized over the pieces: one copy of the entries). A run of key bytes
+    (:attr:`IndexPiece.key_runs`) that another piece has too is written once and the
+    entries point at that copy (a load then decodes each key a few times, not once per
+    rank: see :mod:`.request_rows`)."""
+    dtypes: list[str] = []
+    for p in pieces:
+        dtypes += [d for d in p.dtypes if d not in dtypes]
+    if not pieces:
+        empty = np.zeros(0, ENTRY_DTYPE)
+        return RawIndex(
+            alignment, block_bytes, dtypes, [], empty, np.zeros(0, "<i8"), np.zeros(0, "<u4"), b""
+        )
+    counts = [len(p.entries) for p in pieces]
+    entries = np.concatenate([p.entries for p in pieces])
+
+    def per_entry(values: list[int]) -> np.ndarray:
+        return np.repeat(np.array(values, dtype=np.int64), counts)
+
+    remaps = [[dtypes.index(d) for d in p.dtypes] or [0] for p in pieces]
+    firsts = np.cumsum([0] + [len(r) for r in remaps[:-1]])
+    table = np.array([i for r in remaps for i in r], dtype=np.uint8)
+    entries["dtype"] = table[entries["dtype"] + per_entry(firsts.tolist())]
+    entries["file"] += per_entry(_before([len(p.files) for p in pieces])).astype(np.uint32)
+    entries["dims_start"] += per_entry(_before([len(p.dims) for p in pieces])).astype(np.uint64)
+    entries["crc_start"] += per_entry(_before([len(p.crcs) for p in pieces])).astype(np.uint64)
+    keys, entries["key_start"] = _shared_keys(pieces, counts, entries["key_start"].astype(np.int64))
+    return RawIndex(
+        alignment=alignment,
+        block_bytes=block_bytes,
+        dtypes=dtypes,
+        files=[f for p in pieces for f in p.files],
+        entries=entries,
+        dims=np.concatenate([p.dims for p in pieces]),
+        crcs=np.concatenate([p.crcs for p in pieces]),
+        keys=keys,
+    )
+
+
+def _before(sizes: list[int]) -> list[int]:
+    """Where each of consecutive sections of ``sizes`` starts."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
+
+
+def _shared_keys(
+    pieces: list[IndexPiece], counts: list[int], starts: np.ndarray
+) -> tuple[bytes, np.ndarray]:
+    """The merged key section, each run written once, and the entries' key starts in it
+    (``starts``: within their own piece's keys)."""
+    parts: list[bytes] = []
+    size = 0
+    seen: dict[tuple[int, bytes, bytes], list[tuple[bytes, int]]] = {}
+    out = np.zeros(len(starts), dtype=np.int64)  # an empty key past the last run: 0
+    lo = 0
+    for p, n in zip(pieces, counts):
+        local, moved = starts[lo : lo + n], out[lo : lo + n]
+        lo += n
+        at = 0
+        for run in p.key_runs or [len(p.keys)]:
+            blob = p.keys[at : at + run]
+            same = seen.setdefault((run, blob[:64], blob[-64:]), [])
+            where = next((w for b, w in same if b == blob), None)
+            if where is None:
+                where = size
+                same.append((blob, where))
+                parts.append(blob)
+                size += run
+            inside = (local >= at) & (local < at + run)
+            moved[inside] = local[inside] + (where - at)
+            at += run
+    return b"".join(parts), out
+
+
+__all__ = ["IndexPiece", "merge_pieces"]
