@@ -79,7 +79,7 @@ METADATA_INDEX                 1          ``torch_dist`` saves write a JSON inde
                                           ``.metadata`` and loads build it from that (no
                                           pickle, no guard); 0: neither
 RAW_NARROW_ENTRIES             65536      a ``raw_bytes`` load whose index has at least this
-                                          many entries, and four times as many as the leaves
+                                          many entries, and eight times as many as the leaves
                                           it requests, plans over the entries the request can
                                           meet only (0: every load)
 ============================== ========== ===================================================
@@ -286,7 +286,7 @@ RAW_NARROW_ENTRIES = Knob(
     "RAW_NARROW_ENTRIES",
     65_536,
     0,
-    "a raw_bytes load over an index of at least this many entries (and four per leaf "
+    "a raw_bytes load over an index of at least this many entries (and eight per leaf "
     "requested) plans over the entries its request can meet only; 0: every load",
 )
 

@@ -199,7 +199,7 @@ class RawBytesLoadShardedStrategy(CollectiveLoadStrategy):
 
     def files_holding(self, checkpoint_dir: str | os.PathLike[str], keys: set[str]) -> set[str]:
         """The data files holding the entries of ``keys`` (from the index)."""
-        return raw_load.files_holding(raw_load.read_index(CheckpointDir.of(checkpoint_dir)), keys)
+        return raw_load.files_holding(CheckpointDir.of(checkpoint_dir), keys)
 
 
 __all__ = [

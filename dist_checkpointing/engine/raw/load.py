@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
@@ -28,7 +29,7 @@ from ..storage.tensor_bytes import buffer_of
 from .index import INDEX_NAME, KIND_FLAT, KIND_OBJECT, RawIndex, parse_index
 from .load_plan import LoadPlanner, finish_objects
 from .reader import RawReader, Read
-from .request_rows import key_table, rows_for, subset
+from .request_rows import KeyTable, key_table, rows_for, subset
 from .reshard_plan import LoadPlan
 
 
@@ -79,10 +80,9 @@ def narrowed(ckpt: CheckpointDir, index: RawIndex, leaves: list[ShardedBase]) ->
     it that ``leaves`` can use (:mod:`.request_rows`; the key numbers are kept once per
     handle)."""
     least, n = knobs.RAW_NARROW_ENTRIES.get(), len(index.entries)
-    if least and (n < least or n < 4 * len(leaves)):
+    if least and (n < least or n < 8 * len(leaves)):
         return index
-    table = ckpt.memo(INDEX_NAME + "#keys", lambda: key_table(index))
-    return subset(index, rows_for(index, table, leaves))
+    return subset(index, rows_for(index, _key_table(ckpt, index), leaves))
 
 
 def fill_devices(reader: RawReader, plan: LoadPlan) -> None:
@@ -159,15 +159,19 @@ def objects_metadata(index: RawIndex) -> ShardedStateDict:
     return out
 
 
-def files_holding(index: RawIndex, keys: set[str]) -> set[str]:
-    """Names of the data files holding entries of ``keys``."""
-    files = index.columns["file"]
-    return {
-        index.files[files[row]]
-        for key, rows in index.rows_by_key.items()
-        if key in keys
-        for row in rows
-    }
+def files_holding(ckpt: CheckpointDir, keys: set[str]) -> set[str]:
+    """Names of the data files holding entries of ``keys`` (vectorized over the entries,
+    with the key table kept per handle)."""
+    index = read_index(ckpt)
+    table = _key_table(ckpt, index)
+    wanted = np.zeros(len(table.names) + 1, dtype=bool)
+    wanted[[table.by_name[k] for k in keys if k in table.by_name]] = True
+    rows = wanted[table.ids] if len(table.ids) else np.zeros(0, dtype=bool)
+    return {index.files[f] for f in np.unique(index.entries["file"][rows]).tolist()}
+
+
+def _key_table(ckpt: CheckpointDir, index: RawIndex) -> KeyTable:
+    return ckpt.memo(INDEX_NAME + "#keys", lambda: key_table(index))
 
 
 __all__ = [

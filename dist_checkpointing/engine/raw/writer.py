@@ -219,14 +219,20 @@ class Layout:
     piece: IndexPiece
 
 
+# The order of the key runs: flat ranges, grid blocks, objects (by kind).
+_RUN_OF_KIND = np.array([1, 0, 2])
+assert (KIND_GRID, KIND_FLAT, KIND_OBJECT) == (0, 1, 2)
+
+
 def _key_section(c: _Leaves) -> tuple[bytes, np.ndarray, np.ndarray, list[int]]:
     """The piece's key bytes, each item's key start and length in them, and the byte
     lengths of the runs the coordinator may share with other pieces
-    (:func:`.pieces.merge_pieces`): the keys of flat ranges first (the ranks of a
-    data-parallel group store the same optimizer keys), then the others."""
+    (:func:`.pieces.merge_pieces`): the keys of flat ranges (the ranks of a data-parallel
+    group store the same optimizer keys), of grid blocks (the ranks of a tensor-parallel
+    group store the same keys) and of objects (often one rank's own)."""
     n = len(c.keys)
-    kinds = np.array(c.kinds, dtype=np.uint8)
-    order = np.argsort(kinds != KIND_FLAT, kind="stable") if n else kinds
+    runs = _RUN_OF_KIND[np.array(c.kinds, dtype=np.int64)] if n else np.zeros(0, np.int64)
+    order = np.argsort(runs, kind="stable")
     keys = [c.keys[i] for i in order.tolist()]
     blob = "".join(keys).encode()
     lens = np.fromiter(map(len, keys), dtype=np.int64, count=n)
@@ -234,13 +240,10 @@ def _key_section(c: _Leaves) -> tuple[bytes, np.ndarray, np.ndarray, list[int]]:
         lens = np.fromiter((len(k.encode()) for k in keys), dtype=np.int64, count=n)
     starts = np.empty(n, dtype=np.int64)
     starts[order] = np.cumsum(lens) - lens
-    flat_bytes = int(lens[: int((kinds == KIND_FLAT).sum())].sum())
-    return (
-        blob,
-        starts,
-        lens[np.argsort(order)] if n else lens,
-        [flat_bytes, len(blob) - flat_bytes],
-    )
+    run_bytes = np.bincount(runs[order], weights=lens, minlength=3).astype(np.int64)
+    by_item = np.empty(n, dtype=np.int64)
+    by_item[order] = lens
+    return blob, starts, by_item, run_bytes.tolist()
 
 
 def _layout(c: _Leaves, file_count: int, alignment: int, block_bytes: int) -> Layout:
