@@ -166,11 +166,11 @@ class RawBytesLoadShardedStrategy(CollectiveLoadStrategy):
     def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> ShardedStateDict:
         """Data-less ShardedTensors (global shape and dtype) by key; tensors stored as
         flat ranges are reported as flat ShardedTensors covering the whole tensor."""
-        return raw_load.tensors_metadata(raw_load.read_index(CheckpointDir.of(checkpoint_dir)))
+        return raw_load.tensors_metadata(raw_load.key_heads(CheckpointDir.of(checkpoint_dir)))
 
     def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> ShardedStateDict:
         """Tensors (see :meth:`load_tensors_metadata`) and ShardedObjects (by unique key)."""
-        index = raw_load.read_index(CheckpointDir.of(checkpoint_dir))
+        index = raw_load.key_heads(CheckpointDir.of(checkpoint_dir))
         out = raw_load.objects_metadata(index)
         out.update(raw_load.tensors_metadata(index))
         return out

@@ -20,7 +20,12 @@ from hypothesis import strategies as st
 
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.engine.raw.index import RawIndex, parse_index
-from dist_checkpointing.engine.raw.load import narrowed
+from dist_checkpointing.engine.raw.load import (
+    key_heads,
+    narrowed,
+    objects_metadata,
+    tensors_metadata,
+)
 from dist_checkpointing.engine.raw.load_plan import LoadPlanner
 from dist_checkpointing.engine.raw.pieces import merge_pieces
 from dist_checkpointing.engine.raw.request_rows import key_table, rows_for, subset
@@ -290,3 +295,15 @@ def test_a_load_narrows_an_index_large_against_its_request(monkeypatch: Any) -> 
     assert set(part.key_list) == {"opt1"} and len(part.entries) < 24
     assert list(handle.memos) == [".raw_index#keys"]  # the key table, kept per handle
     assert _reads(part, leaves) == _reads(index, leaves)
+
+
+def test_metadata_from_the_first_entry_of_each_key_equals_the_whole_index() -> None:
+    index = _index(6, 3, 4)
+    handle = _Handle()
+    handle.memos[".raw_index"] = index  # what read_index would have parsed
+    heads = key_heads(handle)
+    assert len(heads.entries) == len(set(index.key_list)) < len(index.entries)
+    assert heads.key_list == list(dict.fromkeys(index.key_list))
+    whole, part = tensors_metadata(index), tensors_metadata(heads)
+    assert list(whole) == list(part) and repr(whole) == repr(part)
+    assert repr(objects_metadata(index)) == repr(objects_metadata(heads))

@@ -126,8 +126,18 @@ def fill_devices(reader: RawReader, plan: LoadPlan) -> None:
         job.result()
 
 
+def key_heads(ckpt: CheckpointDir) -> RawIndex:
+    """The first entry of every key of the checkpoint's index, in index order: what
+    :func:`tensors_metadata` and :func:`objects_metadata` describe a key by (one entry
+    per key, not one per rank's chunk)."""
+    index = read_index(ckpt)
+    ids = _key_table(ckpt, index).ids
+    return subset(index, np.sort(np.unique(ids, return_index=True)[1]))
+
+
 def tensors_metadata(index: RawIndex) -> ShardedStateDict:
-    """Data-less ShardedTensors (global shape and dtype) of every stored tensor."""
+    """Data-less ShardedTensors (global shape and dtype) of every stored tensor (described
+    by the first entry of each key: ``index`` may be :func:`key_heads`)."""
     out: ShardedStateDict = {}
     kinds = index.columns["kind"]
     for key, rows in index.rows_by_key.items():
@@ -176,6 +186,7 @@ def _key_table(ckpt: CheckpointDir, index: RawIndex) -> KeyTable:
 
 __all__ = [
     "files_holding",
+    "key_heads",
     "load_leaves",
     "narrowed",
     "objects_metadata",
