@@ -101,7 +101,16 @@ def record(
 
 
 def read_manifest(ckpt: CheckpointDir) -> dict[str, str] | None:
-    """``{name: sha256}`` from ``integrity.json``, or None if there is none."""
+    """``{name: sha256}`` from ``integrity.json``, or None if there is none (read once per
+    handle: a load checks the metadata files and then the data files against it; a
+    write of the file through the handle forgets it)."""
+    manifest: dict[str, str] | None = ckpt.memo(
+        INTEGRITY_FNAME + "#manifest", lambda: _read_manifest(ckpt)
+    )
+    return manifest
+
+
+def _read_manifest(ckpt: CheckpointDir) -> dict[str, str] | None:
     if not ckpt.has(INTEGRITY_FNAME):
         return None
     path = ckpt.path(INTEGRITY_FNAME)
