@@ -26,7 +26,7 @@ chunk's shape and dtype, aligned offsets) and every file name goes through
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -312,8 +312,36 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
+# Entries checked per pass: bounds the checks' temporary arrays (a few bytes per entry
+# each) whatever the size of the index.
+_CHECK_ROWS = 1 << 20
+
+
 def entries_problem(index: RawIndex) -> str | None:
     """The first inconsistency of the index's entries as text (None if there is none)."""
+    n = len(index.entries)
+    for lo in range(0, n, _CHECK_ROWS):
+        problem = _fields_problem(replace(index, entries=index.entries[lo : lo + _CHECK_ROWS]))
+        if problem is not None:
+            return _renumbered(problem, lo)
+    if len(index.dims) and ((index.dims < 0) | (index.dims >= _LIMIT)).any():
+        return "negative or huge shape, offset or size"
+    for lo in range(0, n, _CHECK_ROWS):
+        part = replace(index, entries=index.entries[lo : lo + _CHECK_ROWS])
+        problem = _length_problem(part) or _crc_count_problem(part)
+        if problem is not None:
+            return _renumbered(problem, lo)
+    return None
+
+
+def _renumbered(problem: str, lo: int) -> str:
+    """``problem`` ("entry <i>: ...", ``i`` counted in a pass from entry ``lo``) with the
+    entry's number in the whole index."""
+    head, _, rest = problem.partition(": ")
+    return f"entry {int(head.split()[1]) + lo}: {rest}" if lo else problem
+
+
+def _fields_problem(index: RawIndex) -> str | None:
     e = index.entries
     if not len(e):
         return None
@@ -344,9 +372,7 @@ def entries_problem(index: RawIndex) -> str | None:
     ):
         if mask.any():
             return f"entry {_first(mask)}: {what}"
-    if len(index.dims) and ((index.dims < 0) | (index.dims >= _LIMIT)).any():
-        return "negative or huge shape, offset or size"
-    return _length_problem(index) or _crc_count_problem(index)
+    return None
 
 
 def _chunk_numel(index: RawIndex) -> np.ndarray:
