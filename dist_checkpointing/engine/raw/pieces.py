@@ -47,9 +47,8 @@ def merge_pieces(pieces: list[IndexPiece], alignment: int, block_bytes: int) -> 
         return np.repeat(np.array(values, dtype=np.int64), counts)
 
     remaps = [[dtypes.index(d) for d in p.dtypes] or [0] for p in pieces]
-    firsts = np.cumsum([0] + [len(r) for r in remaps[:-1]])
     table = np.array([i for r in remaps for i in r], dtype=np.uint8)
-    entries["dtype"] = table[entries["dtype"] + per_entry(firsts.tolist())]
+    entries["dtype"] = table[entries["dtype"] + per_entry(_before([len(r) for r in remaps]))]
     entries["file"] += per_entry(_before([len(p.files) for p in pieces])).astype(np.uint32)
     entries["dims_start"] += per_entry(_before([len(p.dims) for p in pieces])).astype(np.uint64)
     entries["crc_start"] += per_entry(_before([len(p.crcs) for p in pieces])).astype(np.uint64)
