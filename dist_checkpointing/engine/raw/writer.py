@@ -232,8 +232,9 @@ def _key_section(c: _Leaves) -> tuple[bytes, np.ndarray, np.ndarray, list[int]]:
     group store the same keys) and of objects (often one rank's own)."""
     n = len(c.keys)
     runs = _RUN_OF_KIND[np.array(c.kinds, dtype=np.int64)] if n else np.zeros(0, np.int64)
-    order = np.argsort(runs, kind="stable")
-    keys = [c.keys[i] for i in order.tolist()]
+    ordered = n < 2 or bool((runs[1:] >= runs[:-1]).all())  # e.g. grid blocks only
+    order = np.arange(n) if ordered else np.argsort(runs, kind="stable")
+    keys = c.keys if ordered else [c.keys[i] for i in order.tolist()]
     blob = "".join(keys).encode()
     lens = np.fromiter(map(len, keys), dtype=np.int64, count=n)
     if len(blob) != int(lens.sum()):  # non-ASCII keys: count bytes
