@@ -16,8 +16,8 @@ unless ``--no-memory``, the peak allocation of a second pass under tracemalloc):
 - ``plan (rank)``: ``plan_rank`` of data-parallel rank 0's leaves (the most of any rank);
 - ``plan cached (rank)``: the same through the strategy's ``LayoutCache`` (an unchanged
   structure);
-- ``merge+encode*``: the coordinator merges every rank's piece (``merge_pieces``) and
-  encodes ``.raw_index`` (every save, first or cached);
+- ``merge+encode*``: the coordinator merges every rank's piece into the bytes of
+  ``.raw_index`` (``merged_encoding``; every save, first or cached);
 - ``parse (load)``: what every loading rank spends parsing and checking ``.raw_index``;
 - ``plan load (rank)``: one rank's load plan of its own state (the same layout): the
   index narrowed to what its request can meet (``request_rows``, with the key table),
@@ -50,7 +50,7 @@ from planning_scale import (  # noqa: E402
 
 from dist_checkpointing.engine.raw.index import KIND_FLAT, parse_index  # noqa: E402
 from dist_checkpointing.engine.raw.load_plan import LoadPlanner  # noqa: E402
-from dist_checkpointing.engine.raw.pieces import IndexPiece, merge_pieces  # noqa: E402
+from dist_checkpointing.engine.raw.pieces import IndexPiece, merged_encoding  # noqa: E402
 from dist_checkpointing.engine.raw.plan_reuse import LayoutCache  # noqa: E402
 from dist_checkpointing.engine.raw.request_rows import key_table, rows_for, subset  # noqa: E402
 from dist_checkpointing.engine.raw.writer import plan_rank  # noqa: E402
@@ -126,8 +126,10 @@ def run(world: int, keys: list[str], optimizer: bool, memory: bool, old: bool) -
         *measure(lambda: cache.plan(leaves, "/c", 0, FILES, ALIGN, BLOCK), memory)[:2],
     )
     parts = pieces(world, keys, optimizer)
-    seconds, peak, data = measure(lambda: merge_pieces(parts, ALIGN, BLOCK).to_bytes(), memory)
-    row(world, f"merge+encode* ({len(data) >> 20} MiB)", seconds, peak)
+    seconds, peak, encoded = measure(lambda: merged_encoding(parts, ALIGN, BLOCK)[1], memory)
+    row(world, f"merge+encode* ({len(encoded) >> 20} MiB)", seconds, peak)
+    data = bytes(encoded)  # as a load reads it
+    del encoded
     parts = []
     seconds, peak, index = measure(lambda: parse_index(data, "index"), memory)
     row(world, "parse (load)", seconds, peak)

@@ -27,7 +27,7 @@ from dist_checkpointing.engine.raw.load import (
     tensors_metadata,
 )
 from dist_checkpointing.engine.raw.load_plan import LoadPlanner
-from dist_checkpointing.engine.raw.pieces import merge_pieces
+from dist_checkpointing.engine.raw.pieces import merge_pieces, merged_encoding
 from dist_checkpointing.engine.raw.request_rows import key_table, rows_for, subset
 from dist_checkpointing.engine.raw.writer import plan_rank
 from dist_checkpointing.errors import CorruptCheckpointError
@@ -307,3 +307,15 @@ def test_metadata_from_the_first_entry_of_each_key_equals_the_whole_index() -> N
     whole, part = tensors_metadata(index), tensors_metadata(heads)
     assert list(whole) == list(part) and repr(whole) == repr(part)
     assert repr(objects_metadata(index)) == repr(objects_metadata(heads))
+
+
+def test_the_merged_encoding_is_the_index_file_and_its_sections_view_it() -> None:
+    pieces = [plan_rank(_saved(r, 5, 2, 6), "/ckpt", r, 2, 64, 256)[1] for r in range(5)]
+    index, data = merged_encoding(pieces, 64, 256)
+    assert bytes(data) == index.to_bytes()
+    parsed = parse_index(bytes(data), "idx")
+    assert parsed.key_list == index.key_list and parsed.files == index.files
+    assert np.array_equal(parsed.entries, index.entries)
+    assert np.shares_memory(index.entries, np.frombuffer(data, np.uint8))  # no second copy
+    empty, blob = merged_encoding([], 64, 256)
+    assert bytes(blob) == empty.to_bytes() and len(parse_index(bytes(blob), "e").entries) == 0

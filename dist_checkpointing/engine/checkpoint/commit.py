@@ -96,7 +96,7 @@ def _attach(ckpt: CheckpointDir, session: SaveSession, digest_data_files: bool) 
     ctx.digest_data_files = digest_data_files
     ctx.file_digests = {}
 
-    def on_write(name: str, data: bytes) -> None:
+    def on_write(name: str, data: bytes | bytearray) -> None:
         session.files[name] = FileEntry.of(data, session.block_bytes)
 
     ctx.on_write = on_write

@@ -132,24 +132,13 @@ class RawIndex:
     # ------------------------------------------------------------------ encoding
 
     def to_bytes(self) -> bytes:
-        header = {
-            "format": FORMAT,
-            "version": VERSION,
-            "byte_order": "little",
-            "alignment": self.alignment,
-            "block_bytes": self.block_bytes,
-            "dtypes": self.dtypes,
-            "files": self.files,
-            "counts": {
-                "entries": len(self.entries),
-                "dims": len(self.dims),
-                "crcs": len(self.crcs),
-                "key_bytes": len(self.keys),
-            },
-        }
-        text = json.dumps(header, separators=(",", ":")).encode()
-        head = MAGIC + len(text).to_bytes(4, "little") + text
-        head += b"\0" * (-len(head) % 8)
+        head = encode_header(
+            self.alignment,
+            self.block_bytes,
+            self.dtypes,
+            self.files,
+            (len(self.entries), len(self.dims), len(self.crcs), len(self.keys)),
+        )
         sections = (
             self.entries.astype(ENTRY_DTYPE, copy=False),
             self.dims.astype("<i8", copy=False),
@@ -230,6 +219,31 @@ class RawIndex:
         return self.crcs[start : start + c["crc_count"][row]].tolist()  # type: ignore[no-any-return]
 
 
+def encode_header(
+    alignment: int,
+    block_bytes: int,
+    dtypes: list[str],
+    files: list[str],
+    counts: tuple[int, int, int, int],
+) -> bytes:
+    """The bytes of an index before its sections (magic, header length, JSON header,
+    padding to 8 bytes); ``counts``: entries, dims, CRCs and key bytes."""
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "byte_order": "little",
+        "alignment": alignment,
+        "block_bytes": block_bytes,
+        "dtypes": dtypes,
+        "files": files,
+        "counts": dict(zip(("entries", "dims", "crcs", "key_bytes"), counts)),
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    head = MAGIC + len(text).to_bytes(4, "little") + text
+    return head + b"\0" * (-len(head) % 8)
+
+
+# --------------------------------------------------------------------------- parsing
 # --------------------------------------------------------------------------- parsing
 
 
@@ -453,6 +467,7 @@ __all__ = [
     "KIND_OBJECT",
     "RawIndex",
     "dtype_name",
+    "encode_header",
     "is_raw_bytes_file",
     "parse_index",
     "raw_items_by_file",

@@ -4,10 +4,11 @@ merge of every rank's part into the index of the save (:func:`merge_pieces`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from .index import ENTRY_DTYPE, RawIndex
+from .index import ENTRY_DTYPE, RawIndex, encode_header
 
 
 @dataclass
@@ -28,41 +29,62 @@ class IndexPiece:
 
 def merge_pieces(pieces: list[IndexPiece], alignment: int, block_bytes: int) -> RawIndex:
     """The index of a save: every rank's piece, positions shifted into one index
-    (vectorized over the pieces: one copy of the entries). A run of key bytes
-    (:attr:`IndexPiece.key_runs`) that another piece has too is written once and the
-    entries point at that copy (a load then decodes each key a few times, not once per
-    rank: see :mod:`.request_rows`)."""
+    (:func:`merged_encoding` without the file's bytes)."""
+    return merged_encoding(pieces, alignment, block_bytes)[0]
+
+
+def merged_encoding(
+    pieces: list[IndexPiece], alignment: int, block_bytes: int
+) -> tuple[RawIndex, bytearray]:
+    """The index of a save and the bytes of its file, the index's sections being views
+    into those bytes: each piece's columns are copied once, straight to where the file
+    has them, and shifted there (a large index is hundreds of MiB: no concatenated
+    copy, no joined copy). A run of key bytes (:attr:`IndexPiece.key_runs`) that another
+    piece has too is written once and the entries point at that copy (a load then
+    decodes each key a few times, not once per rank: see :mod:`.request_rows`)."""
     dtypes: list[str] = []
     for p in pieces:
         dtypes += [d for d in p.dtypes if d not in dtypes]
-    if not pieces:
-        empty = np.zeros(0, ENTRY_DTYPE)
-        return RawIndex(
-            alignment, block_bytes, dtypes, [], empty, np.zeros(0, "<i8"), np.zeros(0, "<u4"), b""
-        )
     counts = [len(p.entries) for p in pieces]
-    entries = np.concatenate([p.entries for p in pieces])
+    local_starts = [p.entries["key_start"].astype(np.int64) for p in pieces]
+    keys, key_starts = _shared_keys(pieces, counts, _joined(local_starts, np.int64))
+    files = [f for p in pieces for f in p.files]
+    n, nd, nc = sum(counts), sum(len(p.dims) for p in pieces), sum(len(p.crcs) for p in pieces)
+    head = encode_header(alignment, block_bytes, dtypes, files, (n, nd, nc, len(keys)))
+    data = bytearray(len(head) + n * ENTRY_DTYPE.itemsize + nd * 8 + nc * 4 + len(keys))
+    data[: len(head)] = head
+    at = len(head)
+    sections: list[Any] = []
+    for dtype, count, parts in (
+        (ENTRY_DTYPE, n, [p.entries for p in pieces]),
+        (np.dtype("<i8"), nd, [p.dims for p in pieces]),
+        (np.dtype("<u4"), nc, [p.crcs for p in pieces]),
+    ):
+        view = np.frombuffer(data, dtype, count, at)
+        if count:
+            np.concatenate([np.asarray(x, dtype=dtype) for x in parts], out=view)
+        sections.append(view)
+        at += count * dtype.itemsize
+    data[at:] = keys
+    entries, dims, crcs = sections
+    if n:
 
-    def per_entry(values: list[int]) -> np.ndarray:
-        return np.repeat(np.array(values, dtype=np.int64), counts)
+        def per_entry(values: list[int]) -> np.ndarray:
+            return np.repeat(np.array(values, dtype=np.int64), counts)
 
-    remaps = [[dtypes.index(d) for d in p.dtypes] or [0] for p in pieces]
-    table = np.array([i for r in remaps for i in r], dtype=np.uint8)
-    entries["dtype"] = table[entries["dtype"] + per_entry(_before([len(r) for r in remaps]))]
-    entries["file"] += per_entry(_before([len(p.files) for p in pieces])).astype(np.uint32)
-    entries["dims_start"] += per_entry(_before([len(p.dims) for p in pieces])).astype(np.uint64)
-    entries["crc_start"] += per_entry(_before([len(p.crcs) for p in pieces])).astype(np.uint64)
-    keys, entries["key_start"] = _shared_keys(pieces, counts, entries["key_start"].astype(np.int64))
-    return RawIndex(
-        alignment=alignment,
-        block_bytes=block_bytes,
-        dtypes=dtypes,
-        files=[f for p in pieces for f in p.files],
-        entries=entries,
-        dims=np.concatenate([p.dims for p in pieces]),
-        crcs=np.concatenate([p.crcs for p in pieces]),
-        keys=keys,
-    )
+        remaps = [[dtypes.index(d) for d in p.dtypes] or [0] for p in pieces]
+        table = np.array([i for r in remaps for i in r], dtype=np.uint8)
+        entries["dtype"] = table[entries["dtype"] + per_entry(_before([len(r) for r in remaps]))]
+        entries["file"] += per_entry(_before([len(p.files) for p in pieces])).astype(np.uint32)
+        entries["dims_start"] += per_entry(_before([len(p.dims) for p in pieces])).astype(np.uint64)
+        entries["crc_start"] += per_entry(_before([len(p.crcs) for p in pieces])).astype(np.uint64)
+        entries["key_start"] = key_starts
+    index = RawIndex(alignment, block_bytes, dtypes, files, entries, dims, crcs, keys)
+    return index, data
+
+
+def _joined(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
 
 
 def _before(sizes: list[int]) -> list[int]:
@@ -103,4 +125,4 @@ def _shared_keys(
     return b"".join(parts), out
 
 
-__all__ = ["IndexPiece", "merge_pieces"]
+__all__ = ["IndexPiece", "merge_pieces", "merged_encoding"]

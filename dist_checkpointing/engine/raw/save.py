@@ -41,7 +41,7 @@ from ..storage.location import CheckpointDir
 from ..storage.results_channel import FileResultsQueue
 from .data_files import FileWritten, write_rank
 from .index import INDEX_NAME
-from .pieces import IndexPiece, merge_pieces
+from .pieces import IndexPiece, merged_encoding
 from .plan_reuse import LayoutCache
 from .writer import RankWrite, StageRankWrite, plan_rank
 
@@ -107,8 +107,8 @@ def finalize(
 
 
 def _write_index(ckpt: CheckpointDir, pieces: list[IndexPiece], block_bytes: int) -> None:
-    index = merge_pieces(pieces, ALIGNMENT, block_bytes)
-    ckpt.atomic_write(INDEX_NAME, index.to_bytes())
+    index, data = merged_encoding(pieces, ALIGNMENT, block_bytes)
+    ckpt.atomic_write(INDEX_NAME, data)
     on_data_files = ckpt.context.on_data_files
     if on_data_files is not None:  # the checksums live in the index, not the record
         on_data_files({n: DataFileEntry(s) for p in pieces for n, s in zip(p.files, p.file_sizes)})

@@ -105,7 +105,7 @@ class FileSystemIO(ABC):
         """Flush ``stream`` (opened by :meth:`open_write`) and make its bytes durable."""
 
     @abstractmethod
-    def atomic_write(self, path: str, data: bytes, *, sync: bool = True) -> None:
+    def atomic_write(self, path: str, data: bytes | bytearray, *, sync: bool = True) -> None:
         """Replace ``path`` with ``data`` atomically: readers see the old file or the
         complete new one, never a partial file. With ``sync`` it is durable on return."""
 

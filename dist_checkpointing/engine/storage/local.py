@@ -54,7 +54,7 @@ class LocalFileSystem(FileSystemIO):
         stream.flush()
         os.fsync(stream.fileno())
 
-    def atomic_write(self, path: str, data: bytes, *, sync: bool = True) -> None:
+    def atomic_write(self, path: str, data: bytes | bytearray, *, sync: bool = True) -> None:
         # A fresh, unguessable temporary name, created exclusively (never through a
         # planted symlink); the rename replaces the entry ``path``, not what it points to.
         tmp_path = f"{path}.{uuid.uuid4().hex[:16]}.tmp"

@@ -61,7 +61,7 @@ class DirContext:
 
     stage: Callable[[str], str] | None = None
     aliases: dict[str, str] = field(default_factory=dict)
-    on_write: Callable[[str, bytes], None] | None = None
+    on_write: Callable[[str, bytes | bytearray], None] | None = None
     on_read: Callable[[str, bytes], None] | None = None
     on_data_files: Callable[[dict[str, DataFileEntry]], None] | None = None
     item_checksum: Callable[[str, int], ItemChecksum | None] | None = None
@@ -224,7 +224,7 @@ class CheckpointDir:
         preloaded = self._preloaded_bytes(path)
         return preloaded if preloaded is not None else self.fs.read_whole(path)
 
-    def atomic_write(self, name: str, data: bytes, *, sync: bool = True) -> None:
+    def atomic_write(self, name: str, data: bytes | bytearray, *, sync: bool = True) -> None:
         """Replace file ``name`` with ``data`` atomically (durably with ``sync``).
 
         During a save, a file with a staged name is written under that name.

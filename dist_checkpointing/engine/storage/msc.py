@@ -171,7 +171,7 @@ class MscFileSystem(FileSystemIO):
     def fsync(self, stream: BinaryIO) -> None:
         stream.flush()  # durable once uploaded (at close)
 
-    def atomic_write(self, path: str, data: bytes, *, sync: bool = True) -> None:
+    def atomic_write(self, path: str, data: bytes | bytearray, *, sync: bool = True) -> None:
         body = bytes(data)
         call(path, "upload", lambda c, p: c.write(p, body))
         self._forget(path)
