@@ -16,6 +16,8 @@ unless ``--no-memory``, the peak allocation of a second pass under tracemalloc):
 - ``plan (rank)``: ``plan_rank`` of data-parallel rank 0's leaves (the most of any rank);
 - ``plan cached (rank)``: the same through the strategy's ``LayoutCache`` (an unchanged
   structure);
+- ``unpickle pieces*``: the coordinator unpickles every rank's piece as the save's
+  ``gather_object`` delivers it (the gather itself is not simulated);
 - ``merge+encode*``: the coordinator merges every rank's piece into the bytes of
   ``.raw_index`` (``merged_encoding``; every save, first or cached);
 - ``parse (load)``: what every loading rank spends parsing and checking ``.raw_index``;
@@ -30,6 +32,7 @@ Under torchrun (``make bench``) only rank 0 runs it, with the same arguments.
 
 from __future__ import annotations
 
+import pickle
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -126,6 +129,10 @@ def run(world: int, keys: list[str], optimizer: bool, memory: bool, old: bool) -
         *measure(lambda: cache.plan(leaves, "/c", 0, FILES, ALIGN, BLOCK), memory)[:2],
     )
     parts = pieces(world, keys, optimizer)
+    sent = [pickle.dumps(p, protocol=4) for p in parts]  # as gather_object sends them
+    seconds, peak, _ = measure(lambda: [pickle.loads(b) for b in sent], memory)
+    row(world, f"unpickle pieces* ({sum(map(len, sent)) >> 20} MiB)", seconds, peak)
+    sent = []
     seconds, peak, encoded = measure(lambda: merged_encoding(parts, ALIGN, BLOCK)[1], memory)
     row(world, f"merge+encode* ({len(encoded) >> 20} MiB)", seconds, peak)
     data = bytes(encoded)  # as a load reads it

@@ -13,11 +13,12 @@ def test_raw_planning_scale_prints_every_step(tmp_path: Path) -> None:
     args = ["--ranks", "32", "64", "--tensors", "40", "--optimizer", "--no-memory"]
     lines = run_bench("raw_planning_scale.py", args, tmp_path, timeout=120)
     rows = [line.split() for line in lines[2:]]
-    assert [r[0] for r in rows] == ["32"] * 6 + ["64"] * 6, lines
-    steps = [" ".join(r[1:3]) for r in rows[:6]]
+    assert [r[0] for r in rows] == ["32"] * 7 + ["64"] * 7, lines
+    steps = [" ".join(r[1:3]) for r in rows[:7]]
     assert steps == [
         "plan (rank)",
         "plan cached",
+        "unpickle pieces*",
         "merge+encode* (0",
         "parse (load)",
         "plan load",
