@@ -26,6 +26,7 @@ chunk's shape and dtype, aligned offsets) and every file name goes through
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -244,7 +245,6 @@ def encode_header(
 
 
 # --------------------------------------------------------------------------- parsing
-# --------------------------------------------------------------------------- parsing
 
 
 def _corrupt(source: str, problem: str) -> CorruptCheckpointError:
@@ -333,29 +333,29 @@ _CHECK_ROWS = 1 << 20
 
 def entries_problem(index: RawIndex) -> str | None:
     """The first inconsistency of the index's entries as text (None if there is none)."""
-    n = len(index.entries)
-    for lo in range(0, n, _CHECK_ROWS):
-        problem = _fields_problem(replace(index, entries=index.entries[lo : lo + _CHECK_ROWS]))
-        if problem is not None:
-            return _renumbered(problem, lo)
-    if len(index.dims) and ((index.dims < 0) | (index.dims >= _LIMIT)).any():
+    found = _in_passes(index, _fields_problem)
+    if found is None and len(index.dims) and ((index.dims < 0) | (index.dims >= _LIMIT)).any():
         return "negative or huge shape, offset or size"
-    for lo in range(0, n, _CHECK_ROWS):
-        part = replace(index, entries=index.entries[lo : lo + _CHECK_ROWS])
-        problem = _length_problem(part) or _crc_count_problem(part)
-        if problem is not None:
-            return _renumbered(problem, lo)
+    if found is None:
+        found = _in_passes(index, lambda part: _length_problem(part) or _crc_count_problem(part))
+    return None if found is None else f"entry {found[0]}: {found[1]}"
+
+
+# A problem of one entry: its row (within the entries checked) and what is wrong.
+_Problem = tuple[int, str]
+
+
+def _in_passes(index: RawIndex, check: Callable[[RawIndex], _Problem | None]) -> _Problem | None:
+    """``check`` over :data:`_CHECK_ROWS` entries at a time; the row of the first problem
+    counted in the whole index."""
+    for lo in range(0, len(index.entries), _CHECK_ROWS):
+        found = check(replace(index, entries=index.entries[lo : lo + _CHECK_ROWS]))
+        if found is not None:
+            return found[0] + lo, found[1]
     return None
 
 
-def _renumbered(problem: str, lo: int) -> str:
-    """``problem`` ("entry <i>: ...", ``i`` counted in a pass from entry ``lo``) with the
-    entry's number in the whole index."""
-    head, _, rest = problem.partition(": ")
-    return f"entry {int(head.split()[1]) + lo}: {rest}" if lo else problem
-
-
-def _fields_problem(index: RawIndex) -> str | None:
+def _fields_problem(index: RawIndex) -> _Problem | None:
     e = index.entries
     if not len(e):
         return None
@@ -378,14 +378,14 @@ def _fields_problem(index: RawIndex) -> str | None:
     )
     for mask, what in checks:
         if mask.any():
-            return f"entry {_first(mask)}: {what}"
+            return _first(mask), what
     ndim3 = e["ndim"].astype(np.uint64) * u8(3)
     for mask, what in (
         (e["dims_start"] + ndim3 > u8(len(index.dims)), "dims outside the dims section"),
         (e["crc_start"] + e["crc_count"] > u8(len(index.crcs)), "checksums outside the section"),
     ):
         if mask.any():
-            return f"entry {_first(mask)}: {what}"
+            return _first(mask), what
     return None
 
 
@@ -403,7 +403,7 @@ def _chunk_numel(index: RawIndex) -> np.ndarray:
     return np.prod(sizes, axis=1)  # type: ignore[no-any-return]
 
 
-def _length_problem(index: RawIndex) -> str | None:
+def _length_problem(index: RawIndex) -> _Problem | None:
     e = index.entries
     tensors = e["kind"] != KIND_OBJECT
     if not tensors.any():
@@ -415,7 +415,7 @@ def _length_problem(index: RawIndex) -> str | None:
     flat = e["kind"] == KIND_FLAT
     bad_flat = flat & ((e["flat_start"] > e["flat_stop"]) | (e["flat_stop"] > numel))
     if bad_flat.any():
-        return f"entry {_first(bad_flat)}: flat range outside its block"
+        return _first(bad_flat), "flat range outside its block"
     count = np.where(
         flat,
         (e["flat_stop"] - np.minimum(e["flat_start"], e["flat_stop"])).astype(np.float64),
@@ -423,11 +423,11 @@ def _length_problem(index: RawIndex) -> str | None:
     )
     bad = tensors & (count * itemsize != e["length"].astype(np.float64))
     if bad.any():
-        return f"entry {_first(bad)}: length does not match its shape and dtype"
+        return _first(bad), "length does not match its shape and dtype"
     return None
 
 
-def _crc_count_problem(index: RawIndex) -> str | None:
+def _crc_count_problem(index: RawIndex) -> _Problem | None:
     e = index.entries
     if index.block_bytes == 0:
         bad = e["crc_count"] != 0
@@ -438,7 +438,7 @@ def _crc_count_problem(index: RawIndex) -> str | None:
         )
         bad = e["crc_count"] != blocks
     if bad.any():
-        return f"entry {_first(bad)}: wrong number of checksums"
+        return _first(bad), "wrong number of checksums"
     return None
 
 

@@ -47,7 +47,8 @@ def merged_encoding(
         dtypes += [d for d in p.dtypes if d not in dtypes]
     counts = [len(p.entries) for p in pieces]
     local_starts = [p.entries["key_start"].astype(np.int64) for p in pieces]
-    keys, key_starts = _shared_keys(pieces, counts, _joined(local_starts, np.int64))
+    joined = np.concatenate(local_starts) if pieces else np.zeros(0, dtype=np.int64)
+    keys, key_starts = _shared_keys(pieces, counts, joined)
     files = [f for p in pieces for f in p.files]
     n, nd, nc = sum(counts), sum(len(p.dims) for p in pieces), sum(len(p.crcs) for p in pieces)
     head = encode_header(alignment, block_bytes, dtypes, files, (n, nd, nc, len(keys)))
@@ -81,10 +82,6 @@ def merged_encoding(
         entries["key_start"] = key_starts
     index = RawIndex(alignment, block_bytes, dtypes, files, entries, dims, crcs, keys)
     return index, data
-
-
-def _joined(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
-    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
 
 
 def _before(sizes: list[int]) -> list[int]:

@@ -99,7 +99,6 @@ def _places(
 class _Requests:
     """The boxed requests of one load as columns, one row per key."""
 
-    kid: list[int]
     ndim: list[int]
     offset: list[tuple[int, ...]]
     shape: list[tuple[int, ...]]
@@ -125,7 +124,7 @@ def _requests(table: KeyTable, leaves: Iterable[ShardedBase]) -> tuple[np.ndarra
     ``_NOT_ASKED`` (about a microsecond per leaf)."""
     which = [_NOT_ASKED] * len(table.names)
     by_name = table.by_name
-    req = _Requests([], [], [], [], [])
+    req = _Requests([], [], [], [])
     for sh in leaves:
         if not isinstance(sh, ShardedTensor):
             kid = by_name.get(sh.unique_key if isinstance(sh, ShardedObject) else sh.key)
@@ -141,8 +140,7 @@ def _requests(table: KeyTable, leaves: Iterable[ShardedBase]) -> tuple[np.ndarra
         if which[kid] != _NOT_ASKED or sh.allow_shape_mismatch or not block or 0 in block:
             which[kid] = _KEEP_ALL
             continue
-        which[kid] = len(req.kid)
-        req.kid.append(kid)
+        which[kid] = len(req.ndim)
         req.ndim.append(len(block))
         req.offset.append(tuple(sh.global_offset))
         req.shape.append(tuple(block))
@@ -162,7 +160,7 @@ def rows_for(index: RawIndex, table: KeyTable, leaves: Sequence[ShardedBase]) ->
     asked = which[table.ids]
     cand = np.flatnonzero(asked != _NOT_ASKED)
     keep = np.zeros(len(cand), dtype=bool)
-    if req.kid:
+    if req.ndim:
         q_off, q_shape, q_ndim, q_flat = req.arrays()
         for lo in range(0, len(cand), _PASS_ROWS):
             part = slice(lo, lo + _PASS_ROWS)
