@@ -1,14 +1,14 @@
 """Planning and validation at scale, simulated in one process.
 
     python bench/planning_scale.py [--ranks 64 256 1024 4096] [--tensors 1000]
-                                   [--optimizer] [--no-memory]
+                                   [--optimizer [every-rank|buffer]] [--no-memory]
 
 No process group is needed: the script builds every simulated rank's shard records
 and plan records (a TP=8 layout, data parallel over the rest: three quarters of the
 tensors are row blocks of a TP group, written by data-parallel rank 0; a quarter are
-replicated, written by rank 0; with ``--optimizer`` every rank also holds two
-distributed-optimizer flat ranges of each row block) and calls the library's own
-planning and validation functions on them, step by step, as each rank would. For
+replicated, written by rank 0; with ``--optimizer`` distributed-optimizer state, see
+below) and calls the library's own planning and validation functions on them, step by
+step, as each rank would. For
 each step it prints the CPU time of the rank that does the most work and (unless
 ``--no-memory``) the peak memory that step allocates (tracemalloc, a second pass).
 What a collective itself costs on a network is not simulated.
@@ -26,19 +26,29 @@ Steps (``*``: the coordinator; ``owner``: the busiest key owner):
   (``structure_digest``), then one all-reduce of one integer;
 - ``metadata*``: the coordinator unpickles every rank's plan records and write
   results, builds ``Metadata`` (``metadata_from_records``, then ``_finish``: the storage
-  data and the data files' checksums from the result tables), pickles it;
+  data and the data files' checksums from the result tables), pickles it (a save that
+  caches its structure: the pickle is made with markers where the directory and save
+  id go, and kept as a template; ``metadata_bytes``);
 - ``cached metadata*``: the same save with an unchanged structure and unchanged
   write results: the coordinator unpickles every rank's item locations and checksums
-  (``ResultTable.locations``, ``data_files_from_tables``) and writes the previous save's metadata object again
-  with a new ``storage_meta`` (``metadata_bytes``: the first pickle of that object,
-  made in ``metadata*``, is reused with the new directory and save id spliced in);
+  (``ResultTable.locations``, ``data_files_from_tables``) and writes the previous save's
+  metadata object again, the new directory and save id spliced into the template;
+- ``cached metadata, later*``: the save after that one, the same way;
 - ``unpickle (load)``: what every rank of a load spends reading ``.metadata``
   (``load_metadata``, the restricted unpickler) where the save wrote no index;
 - ``index (load)``: what every rank of a ``torch_dist`` load spends instead, building the
   ``Metadata`` from the JSON index the coordinator wrote (``metadata*`` and ``cached
   metadata*`` include encoding it: only the header again for a cached save);
-- ``= first save*`` and ``= cached save*``: the coordinator's CPU time of a save,
-  the sum of its steps above (the old check not included).
+- ``= first save*``, ``= cached save*`` and ``= later cached saves*``: the
+  coordinator's CPU time of a save, the sum of its steps above (the old check not
+  included).
+
+Distributed-optimizer state (``--optimizer [every-rank|buffer]``, two states per row
+block, as flat ranges of it): ``every-rank`` (the default) gives every rank a
+``1 / DP`` range of every row block, the worst case (``W x T`` chunks); ``buffer`` is
+Megatron-Core's distributed optimizer: a tensor-parallel rank's row blocks lie one after
+another in one buffer, cut into ``DP`` equal parts, and a rank holds the ranges of the
+blocks its part meets (about ``T + W`` chunks: a block is cut only where a part ends).
 
 Under torchrun (``make bench``) only rank 0 runs it, with the same arguments.
 """
@@ -46,6 +56,7 @@ Under torchrun (``make bench``) only rank 0 runs it, with the same arguments.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import io
 import os
@@ -85,6 +96,7 @@ from dist_checkpointing.validation import local_shard_records
 
 TP = 8
 ROWS, COLS = 32, 64  # a TP rank's row block of each sharded tensor
+NUMEL = ROWS * COLS
 DTYPE = torch.float32
 OPT_STATES = ("exp_avg", "exp_avg_sq")
 
@@ -98,14 +110,44 @@ def param_keys(tensors: int) -> list[str]:
     ]
 
 
-def _flat_range(dp: int, dp_size: int) -> tuple[int, int]:
-    numel = ROWS * COLS
-    return numel * dp // dp_size, numel * (dp + 1) // dp_size
+def flat_ranges(
+    dp: int, dp_size: int, keys: list[str], optimizer: str | None
+) -> dict[str, tuple[int, int]]:
+    """The flat range of each row block whose optimizer state data-parallel rank ``dp``
+    holds (see the module docstring): ``every-rank``, a ``dp_size``-th of every block;
+    ``buffer``, Megatron-Core's distributed optimizer (the blocks one after another in
+    one buffer, cut into ``dp_size`` equal parts: a rank holds the blocks its part meets)."""
+    if not optimizer:
+        return {}
+    return dict(_flat_ranges(dp, dp_size, tuple(keys), optimizer))
 
 
-def rank_records(rank: int, world: int, keys: list[str], optimizer: bool) -> list[ShardRecord]:
+@functools.lru_cache(maxsize=64)
+def _flat_ranges(
+    dp: int, dp_size: int, keys: tuple[str, ...], optimizer: str
+) -> tuple[tuple[str, tuple[int, int]], ...]:
+    blocks = [k for k in keys if not k.endswith("norm")]
+    if optimizer == "every-rank":
+        part = (NUMEL * dp // dp_size, NUMEL * (dp + 1) // dp_size)
+        return tuple((k, part) for k in blocks)
+    if optimizer != "buffer":
+        raise ValueError(f"unknown optimizer layout {optimizer!r}")
+    total = len(blocks) * NUMEL
+    lo, hi = total * dp // dp_size, total * (dp + 1) // dp_size
+    out = []
+    for j in range(lo // NUMEL, min(len(blocks), -(-hi // NUMEL))):
+        a, b = max(lo, j * NUMEL) - j * NUMEL, min(hi, (j + 1) * NUMEL) - j * NUMEL
+        if a < b:
+            out.append((blocks[j], (a, b)))
+    return tuple(out)
+
+
+def rank_records(
+    rank: int, world: int, keys: list[str], optimizer: str | None
+) -> list[ShardRecord]:
     """What ``local_shard_records`` returns on simulated rank ``rank``."""
     tp, dp = rank % TP, rank // TP
+    ranges = flat_ranges(dp, world // TP, keys, optimizer)
     out = []
     for key in keys:
         if key.endswith("norm"):
@@ -113,8 +155,8 @@ def rank_records(rank: int, world: int, keys: list[str], optimizer: bool) -> lis
             continue
         gshape, off = (TP * ROWS, COLS), (tp * ROWS, 0)
         out.append(ShardRecord(key, True, str(DTYPE), gshape, off, (ROWS, COLS), None, dp == 0))
-        if optimizer:
-            flat = _flat_range(dp, world // TP)
+        flat = ranges.get(key)
+        if flat is not None:
             for state in OPT_STATES:
                 out.append(
                     ShardRecord(
@@ -131,19 +173,27 @@ def rank_records(rank: int, world: int, keys: list[str], optimizer: bool) -> lis
     return out
 
 
-def real_state_dict(rank: int, world: int, keys: list[str], optimizer: bool) -> dict[str, Any]:
-    """Rank ``rank``'s sharded state dict with data (for the steps that need real objects)."""
+def real_state_dict(
+    rank: int, world: int, keys: list[str], optimizer: str | None, model: bool = True
+) -> dict[str, Any]:
+    """Rank ``rank``'s sharded state dict with data (for the steps that need real
+    objects); without the model's tensors unless ``model``."""
     tp, dp = rank % TP, rank // TP
+    ranges = flat_ranges(dp, world // TP, keys, optimizer)
     sd: dict[str, Any] = {}
     for key in keys:
         if key.endswith("norm"):
-            sd[key] = ShardedTensor.from_rank_offsets(key, torch.zeros(COLS), replica_id=(tp, dp))
+            if model:
+                sd[key] = ShardedTensor.from_rank_offsets(
+                    key, torch.zeros(COLS), replica_id=(tp, dp)
+                )
             continue
-        sd[key] = ShardedTensor.from_rank_offsets(
-            key, torch.zeros(ROWS, COLS), (0, tp, TP), replica_id=dp
-        )
-        if optimizer:
-            start, stop = _flat_range(dp, world // TP)
+        if model:
+            sd[key] = ShardedTensor.from_rank_offsets(
+                key, torch.zeros(ROWS, COLS), (0, tp, TP), replica_id=dp
+            )
+        if key in ranges:
+            start, stop = ranges[key]
             for state in OPT_STATES:
                 k = f"optimizer.{state}.{key}"
                 sd[k] = ShardedTensor.from_rank_offsets_flat(
@@ -198,8 +248,16 @@ def planner_data(plan: list[tuple[Any, ...]], records: list[ShardRecord]) -> dic
     }
 
 
-def check_simulation(world: int, keys: list[str], optimizer: bool) -> None:
-    """The simulated records are what the library computes for real ShardedTensors."""
+def check_simulation(world: int, keys: list[str], optimizer: str | None) -> None:
+    """The simulated records are what the library computes for real ShardedTensors, and
+    the data-parallel ranks' flat ranges of each row block cover it once."""
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for dp in range(world // TP):
+        for key, part in flat_ranges(dp, world // TP, keys, optimizer).items():
+            covered.setdefault(key, []).append(part)
+    for key, parts in covered.items():
+        ends = [b for _, b in sorted(parts)]
+        assert [a for a, _ in sorted(parts)] == [0] + ends[:-1] and ends[-1] == NUMEL, key
     for rank in (0, min(world - 1, TP + 1)):
         sd = real_state_dict(rank, world, keys, optimizer)
         assert local_shard_records(sd) == rank_records(rank, world, keys, optimizer), rank
@@ -242,7 +300,7 @@ def row(world: int, step: str, seconds: float, peak: int | None) -> None:
 
 
 def run_validation(
-    world: int, keys: list[str], optimizer: bool, memory: bool, old: bool
+    world: int, keys: list[str], optimizer: str | None, memory: bool, old: bool
 ) -> dict[str, float]:
     if old:
         payloads = [
@@ -310,7 +368,9 @@ class PickleWriter:
         self.index = encode_index(metadata, self.blob)
 
 
-def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> dict[str, float]:
+def run_metadata(
+    world: int, keys: list[str], optimizer: str | None, memory: bool
+) -> dict[str, float]:
     payloads, locations = [], []
     for r in range(world):
         records = rank_records(r, world, keys, optimizer)
@@ -327,7 +387,8 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
     def assemble() -> bytes:
         gathered = [pickle.loads(p) for p in payloads]
         metadata = MCoreSavePlanner.metadata_from_records([v[1] for _, v in gathered])
-        _finish(writer, metadata, [v[0] for _, v in gathered])  # type: ignore[arg-type]
+        # kept: a save that caches its structure (the cached saves below reuse it)
+        _finish(writer, metadata, [v[0] for _, v in gathered], kept=True)  # type: ignore[arg-type]
         built[:] = [metadata]  # the coordinator keeps it for the next save
         return writer.blob
 
@@ -344,6 +405,10 @@ def run_metadata(world: int, keys: list[str], optimizer: bool, memory: bool) -> 
     seconds, peak, _ = measure(reuse, memory)
     row(world, "cached metadata*", seconds, peak)
     times["cached"] = seconds
+    # The save above made the pickle's template; the saves after it splice into it.
+    seconds, peak, _ = measure(reuse, memory)
+    row(world, "cached metadata, later*", seconds, peak)
+    times["later"] = seconds
     row(world, "unpickle (load)", *measure(lambda: load_metadata(io.BytesIO(blob)), memory)[:2])
     index, metadata_blob = writer.index, writer.blob
     assert index is not None
@@ -368,7 +433,14 @@ def scale_args(doc: str, old: str) -> argparse.Namespace | None:
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--tensors", type=int, default=1000, help="model tensors per rank")
-    parser.add_argument("--optimizer", action="store_true", help="add distributed-optimizer state")
+    parser.add_argument(
+        "--optimizer",
+        nargs="?",
+        const="every-rank",
+        choices=["every-rank", "buffer"],
+        help="add distributed-optimizer state: a flat range of every row block on every "
+        "rank (every-rank, the default, the worst case) or Megatron-Core's layout (buffer)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
     parser.add_argument("--skip-old", action="store_true", help=f"skip {old}")
     args = parser.parse_args()
@@ -393,6 +465,7 @@ def main() -> None:
         # The coordinator also bins its own records and owns keys like any rank.
         row(world, "= first save*", v["bin"] + v["check"] + m["metadata"], None)
         row(world, "= cached save*", v["digest"] + m["cached"], None)
+        row(world, "= later cached saves*", v["digest"] + m["later"], None)
 
 
 if __name__ == "__main__":

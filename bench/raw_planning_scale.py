@@ -1,15 +1,20 @@
 """The ``raw_bytes`` layout's planning at scale, simulated in one process.
 
     python bench/raw_planning_scale.py [--ranks 64 256 1024 4096] [--tensors 1000]
-                                       [--optimizer] [--no-memory] [--skip-old]
+                                       [--optimizer [every-rank|buffer]] [--no-memory]
+                                       [--skip-old]
 
 The layout of ``planning_scale.py`` (TP=8, data parallel over the rest; with
-``--optimizer`` every rank holds two distributed-optimizer flat ranges of each row block,
-so the checkpoint has ``W x 1,500`` flat entries). Each simulated rank's index piece is
-what ``plan_rank`` makes of its sharded state dict: the pieces of the first two
-data-parallel ranks of every tensor-parallel rank are planned for real, the others are
-those of the second with each flat range moved to the rank's own (its bounds, lengths
-and file offsets recomputed as ``plan_rank`` computes them; checked against a real plan).
+``--optimizer`` or ``--optimizer every-rank`` every rank holds two distributed-optimizer
+flat ranges of each row block, so the checkpoint has ``W x 1,500`` flat entries; with
+``--optimizer buffer``, Megatron-Core's distributed optimizer, a rank holds those of the
+blocks its part of the buffer meets). Each simulated rank's index piece is what
+``plan_rank`` makes of its sharded state dict: the pieces of the first two data-parallel
+ranks of every tensor-parallel rank are planned for real; of the others, with
+``every-rank``, those of the second with each flat range moved to the rank's own (its
+bounds, lengths and file offsets recomputed as ``plan_rank`` computes them), with
+``buffer`` a plan of the rank's optimizer state alone (its model tensors are replicas
+the rank does not write); each way checked against a real plan of a whole state dict.
 Steps (``*``: the coordinator; CPU seconds of the rank that does the most work and,
 unless ``--no-memory``, the peak allocation of a second pass under tracemalloc):
 
@@ -43,7 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planning_scale import (  # noqa: E402
     TP,
-    _flat_range,
+    flat_ranges,
     measure,
     param_keys,
     real_state_dict,
@@ -63,17 +68,20 @@ FILES, ALIGN, BLOCK = 2, 64, 1 << 20
 ITEMSIZE = 4  # float32
 
 
-def _plan(rank: int, world: int, keys: list[str], optimizer: bool) -> IndexPiece:
-    leaves = list(real_state_dict(rank, world, keys, optimizer).values())
+def _plan(
+    rank: int, world: int, keys: list[str], optimizer: str | None, model: bool = True
+) -> IndexPiece:
+    leaves = list(real_state_dict(rank, world, keys, optimizer, model).values())
     return plan_rank(leaves, "/ckpt", rank, FILES, ALIGN, BLOCK)[1]
 
 
-def moved(template: IndexPiece, rank: int, world: int) -> IndexPiece:
-    """``template`` (a data-parallel rank's piece, not rank 0's) with every flat range
-    moved to data-parallel rank ``rank // TP``'s, offsets and sizes recomputed."""
+def moved(template: IndexPiece, rank: int, world: int, keys: list[str]) -> IndexPiece:
+    """``template`` (a data-parallel rank's piece, not rank 0's, of the ``every-rank``
+    layout) with every flat range moved to data-parallel rank ``rank // TP``'s, offsets
+    and sizes recomputed."""
     e = template.entries.copy()
     flat = e["kind"] == KIND_FLAT
-    a, b = _flat_range(rank // TP, world // TP)
+    a, b = next(iter(flat_ranges(rank // TP, world // TP, keys, "every-rank").values()))
     e["flat_start"][flat], e["flat_stop"][flat] = a, b
     e["length"][flat] = (b - a) * ITEMSIZE
     padded = (e["length"].astype(np.int64) + ALIGN - 1) // ALIGN * ALIGN
@@ -96,15 +104,17 @@ def moved(template: IndexPiece, rank: int, world: int) -> IndexPiece:
     )
 
 
-def pieces(world: int, keys: list[str], optimizer: bool) -> list[IndexPiece]:
+def pieces(world: int, keys: list[str], optimizer: str | None) -> list[IndexPiece]:
     """Every simulated rank's index piece (see the module docstring)."""
     real = {r: _plan(r, world, keys, optimizer) for r in range(min(world, 2 * TP))}
     out = []
     for r in range(world):
         if r in real:
             out.append(real[r])
-            continue
-        out.append(moved(real[TP + r % TP], r, world))
+        elif optimizer == "buffer":
+            out.append(_plan(r, world, keys, optimizer, model=False))
+        else:
+            out.append(moved(real[TP + r % TP], r, world, keys))
     probe = min(world - 1, 3 * TP + 1)
     if probe >= 2 * TP:  # the derived piece is the real one
         mine, derived = _plan(probe, world, keys, optimizer), out[probe]
@@ -113,7 +123,7 @@ def pieces(world: int, keys: list[str], optimizer: bool) -> list[IndexPiece]:
     return out
 
 
-def run(world: int, keys: list[str], optimizer: bool, memory: bool, old: bool) -> None:
+def run(world: int, keys: list[str], optimizer: str | None, memory: bool, old: bool) -> None:
     sd = real_state_dict(0, world, keys, optimizer)
     leaves = list(sd.values())
     row(

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from .._torch_compat import StorageInfo
 from ..engine.collectives import RankGroup, describe_error
 from ..engine.storage.bucketing import BucketLayout
+from ..engine.storage.metadata_blob import expect_reuse
 from ..engine.storage.metadata_parts import SharedParts, index_at
 from ..engine.storage.result_table import ResultRow, ResultTable, data_files_from_tables
 from ..errors import CheckpointingException, CheckpointWriteError
@@ -111,13 +112,22 @@ def storage_data_from_records(records: Iterable[ResultRow]) -> dict[MetadataInde
     }
 
 
-def _finish(storage_writer: StorageWriter, metadata: Metadata, per_rank: list[ResultTable]) -> None:
+def _finish(
+    storage_writer: StorageWriter,
+    metadata: Metadata,
+    per_rank: list[ResultTable],
+    kept: bool = False,
+) -> None:
     """Complete ``metadata`` from every rank's write results and write it: our writer
-    takes the storage data built here; another DCP writer gets WriteResults."""
+    takes the storage data built here; another DCP writer gets WriteResults. ``kept``:
+    the save caches its structure, so an unchanged next save writes this very object
+    again (:func:`.metadata_blob.expect_reuse`)."""
     if not hasattr(storage_writer, "finish_assembled"):
         storage_writer.finish(metadata, [table.write_results() for table in per_rank])
         return
     metadata.storage_data = storage_data_from_records(r for t in per_rank for r in t.rows())
+    if kept:
+        expect_reuse(metadata)
     data_files = data_files_from_tables(per_rank)
     for table in per_rank:  # now in storage_data and data_files: not held while pickling
         table.clear()
@@ -142,8 +152,9 @@ def _commit_metadata(
             v[1][0].clear()
     if metadata is None:
         return ("error", "the coordinator has no global metadata to write"), None
+    kept = bool(getattr(planner, "track_structure", False))
     _, finish_error = _attempt(
-        lambda: _finish(storage_writer, metadata, [v[0] for _, v in gathered])
+        lambda: _finish(storage_writer, metadata, [v[0] for _, v in gathered], kept)
     )
     if finish_error is not None:
         return ("error", f"writing .metadata failed: {finish_error}"), None

@@ -1,16 +1,20 @@
 """``bench/raw_planning_scale.py`` on small simulated worlds: every step prints a row, the
-derived index pieces equal real plans (the script asserts it), and the narrowed load plan
+derived index pieces equal real plans (the script asserts it) for either
+distributed-optimizer layout, and the narrowed load plan
 reads what the plan over the whole index reads (asserted too)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.bench.launch import run_bench
 
 
-def test_raw_planning_scale_prints_every_step(tmp_path: Path) -> None:
-    args = ["--ranks", "32", "64", "--tensors", "40", "--optimizer", "--no-memory"]
+@pytest.mark.parametrize("layout", ["every-rank", "buffer"])
+def test_raw_planning_scale_prints_every_step(tmp_path: Path, layout: str) -> None:
+    args = ["--ranks", "32", "64", "--tensors", "40", "--optimizer", layout, "--no-memory"]
     lines = run_bench("raw_planning_scale.py", args, tmp_path, timeout=120)
     rows = [line.split() for line in lines[2:]]
     assert [r[0] for r in rows] == ["32"] * 7 + ["64"] * 7, lines

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import dist_checkpointing as dc
 from dist_checkpointing.engine.safety.metadata import load_metadata
+from dist_checkpointing.engine.storage import metadata_blob
 from dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.support.harness import run_distributed, world_sizes
@@ -54,6 +55,10 @@ def _saves(tmp: str) -> list[Any]:
         )
 
     save("first", 0)
+    # The coordinator pickled the metadata it caches as a template already: the next
+    # save splices into it instead of pickling every entry again.
+    kept = cached.cached_structure.metadata
+    templated = None if rank != 0 else id(kept) in metadata_blob._templates
     save("same", 1)
     save("full", 1, TorchDistSaveShardedStrategy())  # the same save, fully assembled
     save("object", 2, blob=5000)  # same structure, different write results
@@ -67,7 +72,7 @@ def _saves(tmp: str) -> list[Any]:
         loaded[name] = all(torch.equal(got[k], expected[k].data) for k in ("w0", "w4")) and (
             got["rng"] == expected["rng"].data
         )
-    return [rewritten, loaded]
+    return [rewritten, loaded, templated]
 
 
 def _metadata(path: str) -> tuple[bytes, Any]:
@@ -81,7 +86,8 @@ def test_unchanged_structure_rewrites_the_metadata_a_full_assembly_writes(
     world_size: int, tmp_path: Any
 ) -> None:
     results = run_distributed(_saves, world_size, str(tmp_path), timeout=TIMEOUT_S)
-    for rewritten, loaded in results:
+    assert [r[2] for r in results] == [True] + [None] * (world_size - 1)
+    for rewritten, loaded, _ in results:
         # first: full; same: rewritten; full: another strategy; object: results differ;
         # changed: one rank's structure differs.
         assert rewritten == [False, True, None, False, False]
@@ -91,7 +97,7 @@ def test_unchanged_structure_rewrites_the_metadata_a_full_assembly_writes(
     assert same.storage_meta != full.storage_meta  # its own path and save id
     assert same.storage_meta.checkpoint_id == str(tmp_path / "same")
     same.storage_meta = full.storage_meta
-    # The rewrite splices the new path and save id into the first pickle of the same
+    # The rewrite splices the new path and save id into the template of the same
     # object (engine/storage/metadata_blob): equal objects, frames may split elsewhere.
     assert same == full
 

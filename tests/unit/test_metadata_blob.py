@@ -2,7 +2,8 @@
 
 The spliced pickle must unpickle to exactly what ``pickle.dumps`` of the same object
 gives, for any path and save id; a template is made from an object's second pickle on
-and never reused once the object's other fields changed; anything unusual falls back
+(its first where the save expects to write it again) and never reused once the
+object's other fields changed; anything unusual falls back
 to a whole pickle.
 """
 
@@ -87,6 +88,23 @@ def test_later_pickles_reuse_the_template_and_load_safely(tmp_path: Path) -> Non
     parsed = load_metadata(io.BytesIO(second))  # our restricted loader accepts it
     assert parsed == pickle.loads(pickle.dumps(metadata, protocol=4))
     assert parsed.storage_meta.save_id == "b" * 32
+
+
+def test_a_save_that_expects_reuse_makes_the_template_at_its_first_pickle() -> None:
+    metadata = _metadata(2000)
+    metadata.storage_meta = StorageMeta("/ckpt/iter_0", "0" * 32)
+    metadata_blob.expect_reuse(metadata)
+    first = metadata_bytes(metadata)
+    template = metadata_blob._templates[id(metadata)]  # made by the first pickle
+    assert _same_objects(first, metadata)
+    metadata.storage_meta = StorageMeta("/ckpt/iter_1", "1" * 32)
+    second = metadata_bytes(metadata)
+    assert metadata_blob._templates[id(metadata)] is template  # spliced, no new pickle
+    assert _same_objects(second, metadata)
+    other = _metadata(20)  # an object nobody said anything about: a plain first pickle
+    other.storage_meta = StorageMeta("/ckpt/other", "2" * 32)
+    assert metadata_bytes(other) == metadata_pickle.dumps(other)
+    assert id(other) not in metadata_blob._templates
 
 
 @pytest.mark.parametrize("change", ["storage_data", "state_dict_metadata", "version", "modules"])

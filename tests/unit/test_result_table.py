@@ -102,6 +102,9 @@ def test_rows_and_data_files_equal_the_results_one_by_one(rows: list[Any], split
     ]
     assert data_files_from_tables(per_file) == _reference_files(results)
     assert data_files_from_tables([table.locations()]) == _reference_files(results)
+    # A file's items in several tables (not how our ranks name files, but allowed).
+    shared = [ResultTable.of(results[:split]), ResultTable.of(results[split:])]
+    assert data_files_from_tables(shared) == _reference_files(results)
     # The digest ignores the checksums, nothing else.
     other = [_result(f"k{i}", *row[:4], [7], row[5]) for i, row in enumerate(rows)]
     assert ResultTable.of(other).digest() == table.digest()
@@ -152,6 +155,25 @@ def test_a_data_file_from_sorted_columns() -> None:
         DataFileEntry.from_sorted(40, arr(10, 0), arr(1, 1), arr(0, 1, 2), arr(1, 2))
     with pytest.raises(ValueError, match="differ in number"):
         DataFileEntry.from_sorted(40, arr(0, 10), arr(1, 1), arr(0, 1, 2), arr(1))
+
+
+def test_data_files_split_from_sorted_columns_at_once() -> None:
+    def arr(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    # Three files: two items, none, one; offsets start again in each file.
+    a, empty, b = DataFileEntry.split_sorted(
+        [30, 0, 8], [0, 2, 2, 3], arr(0, 10, 0), arr(10, 20, 8), arr(3, 4, 6, 7), arr(1, 2, 3, 4)
+    )
+    assert a.items == [ItemChecksum(0, 10, [1]), ItemChecksum(10, 20, [2, 3])]
+    assert (a.size, empty.size, b.size) == (30, 0, 8) and len(empty) == 0
+    assert b.items == [ItemChecksum(0, 8, [4])] and b.item_at(0) == ItemChecksum(0, 8, [4])
+    with pytest.raises(ValueError, match="not in order"):  # within a file
+        DataFileEntry.split_sorted(
+            [30, 8], [0, 2, 3], arr(10, 0, 0), arr(1, 1, 1), arr(0, 1, 2, 3), arr(1, 2, 3)
+        )
+    with pytest.raises(ValueError, match="differ in number"):  # cuts past the items
+        DataFileEntry.split_sorted([30], [0, 3], arr(0, 10), arr(1, 1), arr(0, 1, 2), arr(1, 2))
 
 
 def test_the_coordinator_holds_a_fraction_of_the_memory_of_tuples() -> None:

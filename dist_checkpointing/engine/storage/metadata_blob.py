@@ -5,8 +5,10 @@ A save that reuses the previous structure (same sharding, same write results) wr
 previous save's ``Metadata`` object again; only ``storage_meta`` differs (the new
 directory and save id). Pickling walks every entry (about 70 ms per 6,000 chunks
 here); instead, the second pickle of a ``Metadata`` object (the first is a plain one:
-most objects are pickled only once) is made with two unique marker strings in place of ``storage_meta.checkpoint_id`` and ``save_id`` and kept as
-a template. Each pickle of the same object after that splices the real strings in
+most objects are pickled only once), or its first where the save said it will be
+written again (:func:`expect_reuse`: a save that caches its structure), is made with
+two unique marker strings in place of ``storage_meta.checkpoint_id`` and ``save_id``
+and kept as a template. Each pickle of the same object after that splices the real strings in
 and fixes the length of the protocol-4 frame that holds them: a copy of the bytes,
 no walk over the entries. The result unpickles to the same objects as
 ``pickle.dumps(metadata, protocol=4)`` (a property test checks it). Pickles are made by
@@ -180,10 +182,11 @@ def metadata_bytes(metadata: Metadata) -> bytes:
 
 
 def _pickled_before(metadata: Metadata) -> bool:
-    """Whether ``metadata`` (this very object) was pickled before; remembers it if not.
-    A template is made from the second pickle of an object on: a save whose structure
-    is not reused pickles its new metadata once, and a template would only cost it a
-    second copy of the bytes (10 MB for 100,000 tensors) and a splice."""
+    """Whether ``metadata`` (this very object) was pickled before (or is expected to be
+    pickled again: :func:`expect_reuse`); remembers it if not. A template is made from
+    the second pickle of an object on: a save whose structure is not reused pickles its
+    new metadata once, and a template would only cost it a second copy of the bytes
+    (10 MB for 100,000 tensors) and a splice."""
     seen = _pickled_once.get(id(metadata))
     if seen is not None and seen() is metadata:
         return True
@@ -191,6 +194,16 @@ def _pickled_before(metadata: Metadata) -> bool:
         del _pickled_once[next(iter(_pickled_once))]
     _pickled_once[id(metadata)] = weakref.ref(metadata)
     return False
+
+
+def expect_reuse(metadata: Metadata) -> None:
+    """Say that ``metadata`` (this very object) will be written again with only
+    ``storage_meta`` changed (a save that caches its structure): its next pickle is
+    made as the template already, so the first save that reuses it splices instead of
+    walking every entry again (and what :func:`derived_from_structure` computes during
+    that pickle is kept with it)."""
+    with _lock:
+        _pickled_before(metadata)
 
 
 def derived_from_structure(metadata: Metadata, name: str, compute: Callable[[], T]) -> T:
@@ -214,4 +227,4 @@ def _forget(key: int, template: weakref.ref[_Template]) -> None:
             del _templates[key]
 
 
-__all__ = ["PROTOCOL", "derived_from_structure", "metadata_bytes"]
+__all__ = ["PROTOCOL", "derived_from_structure", "expect_reuse", "metadata_bytes"]

@@ -209,18 +209,23 @@ class ResultTable:
         if len(tables) == 1:
             return tables[0]
         files: dict[str, int] = {}
-        file_rows, places, transforms, base = [], {}, {}, 0
+        file_rows, shifts, counts, places, transforms, base = [], [], [], {}, {}, 0
         for t in tables:
+            first = len(files)
             ids = [files.setdefault(p, len(files)) for p in t.files]
-            if not len(t):
-                pass
-            elif ids[0] + len(ids) == len(files) and ids[-1] - ids[0] == len(ids) - 1:
-                file_rows.append(_int64(t.file_rows) + ids[0])  # new files (the usual case)
+            n = len(t)
+            if len(files) - first == len(ids):  # new files, in order (the usual case)
+                file_rows.append(t.file_rows)
+                shifts.append(first)
             else:
                 file_rows.append(np.array(ids, dtype=np.int64)[_int64(t.file_rows)])
-            places.update({base + row: at for row, at in t.checksum_places.items()})
-            transforms.update({base + row: d for row, d in t.transforms.items()})
-            base += len(t)
+                shifts.append(0)
+            counts.append(n)
+            if t.checksum_places:
+                places.update({base + row: at for row, at in t.checksum_places.items()})
+            if t.transforms:
+                transforms.update({base + row: d for row, d in t.transforms.items()})
+            base += n
 
         def joined(name: str) -> np.ndarray:
             return _narrow(np.concatenate([getattr(t, name) for t in tables] or [_NO_INTS]))
@@ -230,7 +235,10 @@ class ResultTable:
             offsets=[o for t in tables for o in t.offsets],
             sizes=joined("sizes"),
             files=list(files),
-            file_rows=_narrow(np.concatenate(file_rows or [_NO_INTS])),
+            file_rows=_narrow(
+                np.concatenate(file_rows or [_NO_INTS], dtype=np.int64)
+                + np.repeat(np.asarray(shifts, dtype=np.int64), counts)
+            ),
             starts=joined("starts"),
             lengths=joined("lengths"),
             has_checksum=np.concatenate([t.has_checksum for t in tables] or [_NO_BOOLS]),
@@ -311,15 +319,11 @@ def data_files_from_tables(tables: Iterable[ResultTable]) -> dict[str, DataFileE
     crcs = _segments(crcs, lo, hi)
     ends = np.zeros(len(order) + 1, dtype=np.int64)
     np.cumsum(hi - lo, out=ends[1:])
-    starts, lengths = starts[order], lengths[order]
     cuts = np.searchsorted(file_ids[order], np.arange(len(paths) + 1)).tolist()
-    out: dict[str, DataFileEntry] = {}
-    for f, path in enumerate(paths):
-        a, b = cuts[f], cuts[f + 1]
-        out[path] = DataFileEntry.from_sorted(
-            int(sizes[f]), starts[a:b], lengths[a:b], ends[a : b + 1], crcs[ends[a] : ends[b]]
-        )
-    return out
+    entries = DataFileEntry.split_sorted(
+        sizes.tolist(), cuts, starts[order], lengths[order], ends, crcs
+    )
+    return dict(zip(paths, entries))
 
 
 def _segments(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
