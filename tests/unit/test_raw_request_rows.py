@@ -10,6 +10,8 @@ key, not one per rank.
 
 from __future__ import annotations
 
+import pickle
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -193,6 +195,30 @@ def test_keys_shared_by_ranks_are_stored_once_and_read_back_per_entry() -> None:
             if not isinstance(sh, ShardedTensor) or sh.replica_id == 0 or sh.key[:3] != "rep"
         ]
     assert sorted(index.key_list) == sorted(expected)
+
+
+def test_pieces_sent_as_the_gather_pickles_them_merge_to_the_same_bytes() -> None:
+    pieces = [plan_rank(_saved(r, 4, 3, 5), "/ckpt", r, 2, 64, 256)[1] for r in range(4)]
+    sent = [pickle.loads(pickle.dumps(p, protocol=4)) for p in pieces]
+    for mine, got in zip(pieces, sent):
+        assert got.entries.dtype == mine.entries.dtype
+        for name in ("entries", "dims", "crcs"):
+            assert getattr(got, name).tobytes() == getattr(mine, name).tobytes(), name
+        for name in ("files", "file_sizes", "keys", "dtypes", "key_runs"):
+            assert getattr(got, name) == getattr(mine, name), name
+    assert merged_encoding(sent, 64, 256)[1] == merged_encoding(pieces, 64, 256)[1]
+    # keys in runs or not, shared or not: each entry's key is read back as it was written
+    one_run = [replace(p, key_runs=[]) for p in pieces]
+    for merged in (merge_pieces(sent, 64, 256), merge_pieces(one_run, 64, 256)):
+        assert sorted(merged.key_list) == sorted(k for p in pieces for k in _keys_of(p))
+
+
+def _keys_of(piece: Any) -> list[str]:
+    e = piece.entries
+    return [
+        piece.keys[s : s + n].decode()
+        for s, n in zip(e["key_start"].tolist(), e["key_len"].tolist())
+    ]
 
 
 def test_keys_written_once_per_entry_and_crafted_places_are_read_alike() -> None:

@@ -26,6 +26,47 @@ class IndexPiece:
     # coordinator writes once when another piece has the same run.
     key_runs: list[int] = field(default_factory=list)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The columns as bytes: a small piece unpickles in about a third of the time
+        # numpy's and a dataclass's own pickling take (4,096 ranks send 4,096 pieces).
+        columns = [
+            np.ascontiguousarray(self.entries, dtype=ENTRY_DTYPE).tobytes(),
+            (self.dims.dtype.str, self.dims.tobytes()),
+            (self.crcs.dtype.str, self.crcs.tobytes()),
+        ]
+        return _piece, (
+            self.files,
+            self.file_sizes,
+            *columns,
+            self.keys,
+            self.dtypes,
+            self.key_runs,
+        )
+
+
+def _piece(
+    files: list[str],
+    file_sizes: list[int],
+    entries: bytes,
+    dims: tuple[str, bytes],
+    crcs: tuple[str, bytes],
+    keys: bytes,
+    dtypes: list[str],
+    key_runs: list[int],
+) -> IndexPiece:
+    """A piece from its pickled fields (:meth:`IndexPiece.__reduce__`); its columns are
+    read-only views of the pickle's bytes."""
+    return IndexPiece(
+        files,
+        file_sizes,
+        np.frombuffer(entries, ENTRY_DTYPE),
+        np.frombuffer(dims[1], np.dtype(dims[0])),
+        np.frombuffer(crcs[1], np.dtype(crcs[0])),
+        keys,
+        dtypes,
+        key_runs,
+    )
+
 
 def merge_pieces(pieces: list[IndexPiece], alignment: int, block_bytes: int) -> RawIndex:
     """The index of a save: every rank's piece, positions shifted into one index
@@ -98,27 +139,38 @@ def _shared_keys(
 ) -> tuple[bytes, np.ndarray]:
     """The merged key section, each run written once, and the entries' key starts in it
     (``starts``: within their own piece's keys)."""
-    parts: list[bytes] = []
+    parts: list[memoryview] = []
     size = 0
     seen: dict[tuple[int, bytes, bytes], list[tuple[bytes, int]]] = {}
-    out = np.zeros(len(starts), dtype=np.int64)  # an empty key past the last run: 0
-    lo = 0
-    for p, n in zip(pieces, counts):
-        local, moved = starts[lo : lo + n], out[lo : lo + n]
-        lo += n
-        at = 0
+    # Every piece's runs as if the pieces' keys were laid end to end ("virtual"): where
+    # each run ends there, and how far its bytes move to where they are written.
+    run_ends: list[int] = []
+    shifts: list[int] = []
+    virtual = 0
+    for p in pieces:
+        keys, at = memoryview(p.keys), 0
         for run in p.key_runs or [len(p.keys)]:
-            blob = p.keys[at : at + run]
-            same = seen.setdefault((run, blob[:64], blob[-64:]), [])
-            where = next((w for b, w in same if b == blob), None)
+            blob = keys[at : at + run]  # (a memoryview: compared as bytes, not byte by byte)
+            same = seen.setdefault((run, bytes(blob[:64]), bytes(blob[-64:])), [])
+            copy = bytes(blob) if same else b""
+            where = next((w for b, w in same if b == copy), None)
             if where is None:
                 where = size
-                same.append((blob, where))
+                same.append((copy or bytes(blob), where))
                 parts.append(blob)
                 size += run
-            inside = (local >= at) & (local < at + run)
-            moved[inside] = local[inside] + (where - at)
+            run_ends.append(virtual + at + run)
+            shifts.append(where - virtual - at)
             at += run
+        virtual += len(p.keys)
+    out = np.zeros(len(starts), dtype=np.int64)  # an empty key past the last run: 0
+    if len(starts) and run_ends:
+        sizes = np.array([len(p.keys) for p in pieces], dtype=np.int64)
+        base = np.repeat(np.cumsum(sizes) - sizes, counts)
+        inside = starts < np.repeat(sizes, counts)
+        spots = starts[inside] + base[inside]
+        runs = np.searchsorted(np.array(run_ends, dtype=np.int64), spots, side="right")
+        out[inside] = spots + np.array(shifts, dtype=np.int64)[runs]
     return b"".join(parts), out
 
 
