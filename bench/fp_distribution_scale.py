@@ -1,14 +1,16 @@
 """The fully parallel distribution at scale, simulated in one process.
 
     python bench/fp_distribution_scale.py [--ranks 64 256 1024 4096] [--tensors 1000]
-                                          [--optimizer] [--no-memory] [--skip-old]
+                                          [--optimizer [every-rank|buffer]] [--no-memory]
+                                          [--skip-old]
 
 A fully parallel save or load first decides which rank of the parallelization group
 (the data-parallel group: here ``ranks / 8`` ranks, with TP=8) handles each shard
 (``determine_main_replica_uniform_distribution``). The layout is
 ``planning_scale.py``'s: every data-parallel rank holds the same row block of each
 model tensor (main replica on data-parallel rank 0), and with ``--optimizer`` two
-distributed-optimizer flat ranges of each that it alone holds. For each step this
+distributed-optimizer flat ranges of each that it alone holds (``--optimizer buffer``:
+of the blocks its part of Megatron-Core's optimizer buffer meets). For each step this
 prints the CPU time of the rank that does the most work and (unless ``--no-memory``)
 the peak memory the step allocates (tracemalloc, a second pass); the collectives'
 transfers are not simulated, their bytes are printed.
