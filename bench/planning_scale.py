@@ -296,7 +296,7 @@ def measure(fn: Callable[[], Any], memory: bool) -> tuple[float, int | None, Any
 
 def row(world: int, step: str, seconds: float, peak: int | None) -> None:
     mem = "" if peak is None else f"{peak / 2**20:10.1f}"
-    print(f"{world:6d} {step:24} {seconds:9.3f} {mem:>10}", flush=True)
+    print(f"{world:6d} {step:30} {seconds:9.3f} {mem:>10}", flush=True)
 
 
 def run_validation(
@@ -447,7 +447,7 @@ def scale_args(doc: str, old: str) -> argparse.Namespace | None:
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     print(f"TP={TP}, {args.tensors} model tensors per rank, optimizer state: {args.optimizer}")
-    print(f"{'ranks':>6} {'step':24} {'cpu s':>9} {'peak MiB':>10}")
+    print(f"{'ranks':>6} {'step':30} {'cpu s':>9} {'peak MiB':>10}")
     return args
 
 
