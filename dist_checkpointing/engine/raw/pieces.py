@@ -150,7 +150,8 @@ def _shared_keys(
     for p in pieces:
         keys, at = memoryview(p.keys), 0
         for run in p.key_runs or [len(p.keys)]:
-            blob = keys[at : at + run]  # (a memoryview: compared as bytes, not byte by byte)
+            blob = keys[at : at + run]  # a view: compared as a bytes copy (views compare
+            # byte by byte in Python's loop, about 150 us per 60 KB run)
             same = seen.setdefault((run, bytes(blob[:64]), bytes(blob[-64:])), [])
             copy = bytes(blob) if same else b""
             where = next((w for b, w in same if b == copy), None)

@@ -8,9 +8,9 @@ here); instead, the second pickle of a ``Metadata`` object (the first is a plain
 most objects are pickled only once), or its first where the save said it will be
 written again (:func:`expect_reuse`: a save that caches its structure), is made with
 two unique marker strings in place of ``storage_meta.checkpoint_id`` and ``save_id``
-and kept as a template. Each pickle of the same object after that splices the real strings in
-and fixes the length of the protocol-4 frame that holds them: a copy of the bytes,
-no walk over the entries. The result unpickles to the same objects as
+and kept as a template. Each pickle of the same object after that splices the real
+strings in and fixes the length of the protocol-4 frame that holds them: a copy of the
+bytes, no walk over the entries. The result unpickles to the same objects as
 ``pickle.dumps(metadata, protocol=4)`` (a property test checks it). Pickles are made by
 :func:`.metadata_pickle.dumps` (the same objects as ``pickle.dumps``, in less memory).
 
