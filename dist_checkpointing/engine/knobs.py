@@ -82,6 +82,11 @@ RAW_NARROW_ENTRIES             65536      a ``raw_bytes`` load whose index has a
                                           many entries, and eight times as many as the leaves
                                           it requests, plans over the entries the request can
                                           meet only (0: every load)
+METADATA_PLAIN_PICKLE_ENTRIES  65536      a ``.metadata`` of at most this many stored chunks
+                                          is pickled by ``pickle.dumps`` (up to twice as
+                                          fast; it holds some 0.5 KiB per chunk while it
+                                          runs), a larger one by the library's own pickle
+                                          writer (0: always the writer)
 ============================== ========== ===================================================
 """
 
@@ -290,6 +295,14 @@ RAW_NARROW_ENTRIES = Knob(
     "requested) plans over the entries its request can meet only; 0: every load",
 )
 
+METADATA_PLAIN_PICKLE_ENTRIES = Knob(
+    "METADATA_PLAIN_PICKLE_ENTRIES",
+    65_536,
+    0,
+    "a .metadata of at most this many stored chunks is pickled by pickle.dumps, a larger "
+    "one by the library's pickle writer (less memory); 0: always the writer",
+)
+
 ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     SAVE_THREAD_COUNT,
     WRITE_BUFFER_BYTES,
@@ -330,6 +343,7 @@ ALL_KNOBS: tuple[Knob[int] | Knob[float], ...] = (
     METADATA_PARSE_CPU_S_PER_MIB,
     METADATA_INDEX,
     RAW_NARROW_ENTRIES,
+    METADATA_PLAIN_PICKLE_ENTRIES,
 )
 
 __all__ = [

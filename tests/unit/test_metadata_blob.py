@@ -9,9 +9,12 @@ to a whole pickle.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import pickle
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,21 +59,44 @@ def _same_objects(blob: bytes, metadata: Metadata) -> bool:
 TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=0, max_size=400)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     entries=st.sampled_from([1, 40, 1500]),
     paths=st.lists(st.tuples(TEXT, TEXT), min_size=1, max_size=4),
+    plain_up_to=st.sampled_from(["0", "100000"]),  # the library's writer / pickle.dumps
 )
 def test_spliced_pickle_unpickles_to_the_plain_pickle(
-    entries: int, paths: list[tuple[str, str]]
+    entries: int, paths: list[tuple[str, str]], plain_up_to: str
 ) -> None:
-    metadata = _metadata(entries)  # 1500 entries: several protocol-4 frames
-    for checkpoint_id, save_id in paths:
-        metadata.storage_meta = StorageMeta(checkpoint_id, save_id)
-        blob = metadata_bytes(metadata)
-        assert _same_objects(blob, metadata)
-        if len(blob) < FORK_MIN_BYTES:  # our loader's opcode scan reads the frames too
-            assert load_metadata(io.BytesIO(blob)).storage_meta == metadata.storage_meta
+    with _knob("DIST_CKPT_METADATA_PLAIN_PICKLE_ENTRIES", plain_up_to):
+        metadata = _metadata(entries)  # 1500 entries: several protocol-4 frames
+        for checkpoint_id, save_id in paths:
+            metadata.storage_meta = StorageMeta(checkpoint_id, save_id)
+            blob = metadata_bytes(metadata)
+            assert _same_objects(blob, metadata)
+            if len(blob) < FORK_MIN_BYTES:  # our loader's opcode scan reads the frames too
+                assert load_metadata(io.BytesIO(blob)).storage_meta == metadata.storage_meta
+        assert id(metadata) in metadata_blob._templates or len(paths) == 1
+
+
+@contextlib.contextmanager
+def _knob(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def test_small_metadata_is_pickled_by_pickle_and_large_by_the_writer() -> None:
+    metadata = _metadata(300)
+    assert metadata_blob._pickled(metadata) == pickle.dumps(metadata, protocol=4)
+    with _knob("DIST_CKPT_METADATA_PLAIN_PICKLE_ENTRIES", "299"):
+        assert metadata_blob._pickled(metadata) == metadata_pickle.dumps(metadata)
 
 
 def test_later_pickles_reuse_the_template_and_load_safely(tmp_path: Path) -> None:
@@ -103,7 +129,7 @@ def test_a_save_that_expects_reuse_makes_the_template_at_its_first_pickle() -> N
     assert _same_objects(second, metadata)
     other = _metadata(20)  # an object nobody said anything about: a plain first pickle
     other.storage_meta = StorageMeta("/ckpt/other", "2" * 32)
-    assert metadata_bytes(other) == metadata_pickle.dumps(other)
+    assert metadata_bytes(other) == metadata_blob._pickled(other)
     assert id(other) not in metadata_blob._templates
 
 
@@ -138,7 +164,7 @@ def test_a_changed_field_is_never_served_from_the_template(change: str) -> None:
 def test_unusual_storage_meta_falls_back_to_a_whole_pickle(meta: StorageMeta | None) -> None:
     metadata = _metadata(10)
     metadata.storage_meta = meta
-    assert metadata_bytes(metadata) == metadata_pickle.dumps(metadata)
+    assert metadata_bytes(metadata) == metadata_blob._pickled(metadata)
     assert id(metadata) not in metadata_blob._templates
     assert _same_objects(metadata_bytes(metadata), metadata)
 

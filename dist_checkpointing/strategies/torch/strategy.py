@@ -28,9 +28,9 @@ from ...engine.async_save.request import AsyncRequest
 from ...engine.checkpoint import commit
 from ...engine.raw.index import is_raw_bytes_file
 from ...engine.safety import object_loader
-from ...engine.storage import metadata_pickle
 from ...engine.storage.bucketing import is_data_file_of
 from ...engine.storage.location import CheckpointDir
+from ...engine.storage.metadata_blob import metadata_bytes
 from ...engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
 from ...engine.storage.metadata_index import encode_index
 from ...engine.storage.reader import FileSystemReader, metadata_source
@@ -373,7 +373,7 @@ class TorchDistLoadShardedStrategy(CollectiveLoadStrategy):
         unused = set(names.values()) - used
         # The new .metadata (and its index) is committed before any data file goes (see
         # replace_files). Without a new index, an old one no longer matches: ignored.
-        blob = metadata_pickle.dumps(new)
+        blob = metadata_bytes(new)
         files = {METADATA_FNAME: blob}
         index = encode_index(new, blob)
         if index is not None:
