@@ -48,7 +48,8 @@ block, as flat ranges of it): ``every-rank`` (the default) gives every rank a
 ``1 / DP`` range of every row block, the worst case (``W x T`` chunks); ``buffer`` is
 Megatron-Core's distributed optimizer: a tensor-parallel rank's row blocks lie one after
 another in one buffer, cut into ``DP`` equal parts, and a rank holds the ranges of the
-blocks its part meets (about ``T + W`` chunks: a block is cut only where a part ends).
+blocks its part meets (about ``T x TP + W`` chunks per state: a block is cut only where
+a part ends).
 
 Under torchrun (``make bench``) only rank 0 runs it, with the same arguments.
 """
@@ -405,7 +406,7 @@ def run_metadata(
     seconds, peak, _ = measure(reuse, memory)
     row(world, "cached metadata*", seconds, peak)
     times["cached"] = seconds
-    # The save above made the pickle's template; the saves after it splice into it.
+    # A third save: the same splice into the template the first save made.
     seconds, peak, _ = measure(reuse, memory)
     row(world, "cached metadata, later*", seconds, peak)
     times["later"] = seconds
