@@ -35,7 +35,7 @@ from .dict_utils import merge, nested_values
 from .engine.checkpoint import commit, integrity, preload
 from .engine.collectives import ProcessGroup, RankGroup
 from .engine.process import gc_paused
-from .engine.sharding_split import validate_sharding_split
+from .engine.sharding_split import keys_nobody_requested, validate_sharding_split
 from .engine.storage.location import CheckpointDir
 from .engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
 from .errors import (
@@ -65,7 +65,6 @@ from .strategies.common import COMMON_STATE_FNAME
 from .validation import (
     CkptShardedMetadata,
     StrictHandling,
-    gather_shard_records,
     local_shard_records,
     parse_strict_flag,
     validate_integrity_and_strict_load,
@@ -346,28 +345,29 @@ def _check_request(
     strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
     process_group: ProcessGroup,
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
-    """Gather what the checks need, then :func:`validate_integrity_and_strict_load`."""
-    ckpt_metadata = None
+    """The checks of :func:`validate_integrity_and_strict_load`, by key owners: the
+    sharding check sends each record to the owner of its key, and the ``*_ALL`` modes'
+    missing keys are found by the owners too (engine/sharding_split): no rank gathers
+    every rank's request."""
+    group = RankGroup(process_group)
+    every = StrictHandling.requires_global_app_metadata(strict)
+    records = local_shard_records(request) if validate_access_integrity or every else []
+    ckpt_metadata, missing = None, None
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_metadata = load_sharded_metadata(ckpt, *strategies)
-    local_metadata: list[Any] | None = None  # built by the strict check if it needs it
-    global_metadata: list[list[Any]] | None = None
-    # Only the *_ALL strict modes need every rank's records; the sharding check alone
-    # sends each record to the owner of its key (engine/sharding_split).
-    gather = StrictHandling.requires_global_app_metadata(strict)
-    if gather:
-        local_metadata, global_metadata = gather_shard_records(request, process_group)
+        if every:
+            stored = (sh.key for sh in ckpt_metadata.values())
+            missing = keys_nobody_requested(stored, (r.key for r in records), group)
     checked = validate_integrity_and_strict_load(
         request,
         strict,
-        validate_access_integrity and gather,
-        local_metadata,
-        global_metadata,
-        ckpt_metadata,
+        False,
+        ckpt_sharded_metadata=ckpt_metadata,
         process_group=process_group,
+        missing_keys=missing,
     )
-    if validate_access_integrity and not gather:
-        validate_sharding_split(local_shard_records(request), RankGroup(process_group))
+    if validate_access_integrity:
+        validate_sharding_split(records, group)
     return checked
 
 

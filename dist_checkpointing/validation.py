@@ -66,7 +66,8 @@ class StrictHandling(Enum):
 
     *Unexpected* keys are requested by this rank but absent from the checkpoint;
     *missing* keys are in the checkpoint but requested by no rank (computing them
-    needs a gather of every rank's request, so only the ``*_ALL`` modes do it).
+    takes collectives: each requested key goes to its owner rank, and the owners' lists
+    of missing keys are gathered; only the ``*_ALL`` modes do it).
 
     - ``ASSUME_OK_UNEXPECTED``: no check (an unexpected key fails later, at read time).
     - ``LOG_UNEXPECTED`` / ``LOG_ALL``: log them, skip unexpected keys.
@@ -91,7 +92,7 @@ class StrictHandling(Enum):
 
     @staticmethod
     def requires_global_app_metadata(val: StrictHandling) -> bool:
-        """Whether the mode needs every rank's request (to compute missing keys)."""
+        """Whether the mode needs what every rank requests (to compute missing keys)."""
         return val in (
             StrictHandling.IGNORE_ALL,
             StrictHandling.RAISE_ALL,
@@ -201,15 +202,20 @@ def apply_strict_handling(
     ckpt_sharded_metadata: CkptShardedMetadata,
     local_metadata: LocalMetadata,
     global_metadata: GlobalMetadata | None,
+    *,
+    missing_keys: set[str] | None = None,
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
-    """Apply a strict mode: returns the request to load and the missing/unexpected keys."""
+    """Apply a strict mode: returns the request to load and the missing/unexpected keys
+    (``missing_keys``: found without ``global_metadata``, by key owners)."""
     if not StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         return sharded_state_dict, set(), set()
     if not StrictHandling.requires_global_app_metadata(strict):
-        global_metadata = None
+        global_metadata = missing_keys = None
     missing, unexpected = determine_missing_and_unexpected_keys(
         ckpt_sharded_metadata, local_metadata, global_metadata
     )
+    if missing_keys is not None:
+        missing = set(missing_keys)
     if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
         report_missing_and_unexpected_keys(missing, unexpected, raise_error=True)
     elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
@@ -347,12 +353,15 @@ def validate_integrity_and_strict_load(
     ckpt_sharded_metadata: CkptShardedMetadata | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    missing_keys: set[str] | None = None,
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
     """Check the request against the checkpoint per ``strict`` and validate its sharding.
 
     Collective over ``process_group``: a key mismatch that raises on one rank raises
     on every rank (:class:`~dist_checkpointing.errors.RankFailureError` on the
     others), and the sharding check runs once with every rank raising its verdict.
+    ``missing_keys``: the checkpoint's keys no rank requests, found by key owners
+    (:func:`.sharding_split.keys_nobody_requested`) instead of from ``global_metadata``.
 
     Returns:
         The request without unexpected keys, and the missing and unexpected keys.
@@ -374,7 +383,12 @@ def validate_integrity_and_strict_load(
         error: Exception | None = None
         try:
             sharded_state_dict, missing, unexpected = apply_strict_handling(
-                sharded_state_dict, strict, ckpt_sharded_metadata, local_metadata, global_metadata
+                sharded_state_dict,
+                strict,
+                ckpt_sharded_metadata,
+                local_metadata,
+                global_metadata,
+                missing_keys=missing_keys,
             )
         except Exception as e:  # noqa: BLE001 - a key mismatch on one rank fails every rank
             error = e

@@ -10,6 +10,9 @@ some key has a problem are the problem lines (text, not records) gathered, so ev
 rank raises the same :class:`~dist_checkpointing.errors.ShardingError`, word for word
 the one a single rank checking everything would raise.
 
+The keys of a checkpoint that no rank of a load requests (the ``*_ALL`` strict modes)
+are found the same way: :func:`keys_nobody_requested`.
+
 Cost per save, with ``T`` the records of a rank, ``W`` the ranks and ``K_r`` the
 records sent to rank ``r``: each rank builds, hashes and pickles ``O(T + W)`` and
 checks ``O(K_r)`` records; nothing is ``O(W x T)`` on any rank (an all-gather gave
@@ -29,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +96,27 @@ def records_by_owner(records: Sequence[ShardRecord], world: int) -> list[list[Wi
             )
         )
     return out
+
+
+def keys_nobody_requested(
+    stored: Iterable[str], requested: Iterable[str], group: RankGroup
+) -> set[str]:
+    """The keys of ``stored`` (the same on every rank) that no rank of ``group`` has in
+    its ``requested``: the same set on every rank (collective).
+
+    Each rank sends each key it requests to the owner of the key (one all-to-all); each
+    owner lists the stored keys it owns that nobody sent, and those lists (empty unless
+    keys are missing) are all-gathered. ``O(T)`` per rank for ``T`` requested keys,
+    where gathering every rank's request was ``O(W x T)``."""
+    if not group.distributed:
+        return set(stored) - set(requested)
+    world = group.world
+    out: list[list[str]] = [[] for _ in range(world)]
+    for key in set(requested):
+        out[key_owner(key, world)].append(key)
+    seen = {key for part in group.all_to_all(out) for key in part}
+    mine = sorted(k for k in set(stored) if k not in seen and key_owner(k, world) == group.rank)
+    return {key for part in group.all_gather(mine) for key in part}
 
 
 def owned_key_problems(received: Sequence[Sequence[WireRecord]]) -> list[KeyProblems]:
@@ -200,6 +224,7 @@ __all__ = [
     "ValidatedStructure",
     "WireRecord",
     "key_owner",
+    "keys_nobody_requested",
     "owned_key_problems",
     "raise_sharding_problems",
     "records_by_owner",

@@ -1,6 +1,7 @@
 """The sharding check split by key over real gloo ranks (``engine/sharding_split``):
 the same verdict and message as one rank checking everything, on every rank; the
-structure digest skips the check only while no rank's records change."""
+structure digest skips the check only while no rank's records change; the keys no rank
+requests are found by the same owners."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dist_checkpointing.engine.collectives import RankGroup
 from dist_checkpointing.engine.sharding_check import sharding_integrity_problems
 from dist_checkpointing.engine.sharding_split import (
     ValidatedStructure,
+    keys_nobody_requested,
     structure_digest,
     validate_sharding_split,
 )
@@ -189,3 +191,33 @@ def test_a_group_knows_its_members(world_size: int) -> None:
     assert [r[1] for r in results] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [r[2] for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert all(r[3] for r in results)
+
+
+def _nobody_requested(world: int) -> list[Any]:
+    """Three patterns of requests against 40 stored keys: every stored key requested by
+    some rank (keys of one rank only among them), some by no rank, none requested."""
+    rank = dist.get_rank()
+    stored = [f"k{i}" for i in range(40)]
+    out = []
+    for pattern in range(3):
+        if pattern == 0:  # each rank requests its own stride, plus keys that are not stored
+            mine = [k for i, k in enumerate(stored) if i % world == rank] + [f"extra{rank}"]
+        elif pattern == 1:  # only rank 0 requests, and not the keys of multiples of 7
+            mine = [k for i, k in enumerate(stored) if i % 7 and rank == 0]
+        else:
+            mine = []
+        found = keys_nobody_requested(stored, mine, RankGroup(None))
+        out.append((sorted(found), sorted(mine)))
+    return out
+
+
+@world_sizes(2, 4)
+def test_keys_nobody_requested_are_found_by_key_owners(world_size: int) -> None:
+    results = run_distributed(_nobody_requested, world_size, world_size, timeout=TIMEOUT_S)
+    stored = {f"k{i}" for i in range(40)}
+    for pattern in range(3):
+        requested = {k for rank_result in results for k in rank_result[pattern][1]}
+        expected = sorted(stored - requested)  # built here from every rank's request
+        assert [r[pattern][0] for r in results] == [expected] * world_size, pattern
+    assert results[0][0][0] == [] and results[0][2][0] == sorted(stored)
+    assert set(results[0][1][0]) == {f"k{i}" for i in range(0, 40, 7)}

@@ -2,10 +2,11 @@
 ``validate_access_integrity``, as Megatron-Core's ``load`` handles them.
 
 Megatron-Core's order (``serialization.load`` then
-``validation.validate_integrity_and_strict_load``): the request's metadata is gathered
-from every rank first; strict handling then compares it with the checkpoint and drops
+``validation.validate_integrity_and_strict_load``): the request's metadata is taken
+first (Megatron-Core gathers it from every rank; this library sends each record to the
+owner of its key); strict handling then compares it with the checkpoint and drops
 unexpected keys from the request (per mode: raise, log, return or ignore); finally,
-with ``validate_access_integrity``, the sharding check runs on the metadata gathered
+with ``validate_access_integrity``, the sharding check runs on the records taken
 *before* the drop. So an unexpected key whose request does not cover its global shape
 still fails the sharding check when it is on, in every mode, and is simply dropped
 when it is off.
