@@ -139,7 +139,7 @@ def _shared_keys(
 ) -> tuple[bytes, np.ndarray]:
     """The merged key section, each run written once, and the entries' key starts in it
     (``starts``: within their own piece's keys)."""
-    parts: list[memoryview] = []
+    parts: list[bytes] = []
     size = 0
     seen: dict[tuple[int, bytes, bytes], list[tuple[bytes, int]]] = {}
     # Every piece's runs as if the pieces' keys were laid end to end ("virtual"): where
@@ -148,16 +148,14 @@ def _shared_keys(
     shifts: list[int] = []
     virtual = 0
     for p in pieces:
-        keys, at = memoryview(p.keys), 0
+        at = 0
         for run in p.key_runs or [len(p.keys)]:
-            blob = keys[at : at + run]  # a view: compared as a bytes copy (views compare
-            # byte by byte in Python's loop, about 150 us per 60 KB run)
-            same = seen.setdefault((run, bytes(blob[:64]), bytes(blob[-64:])), [])
-            copy = bytes(blob) if same else b""
-            where = next((w for b, w in same if b == copy), None)
+            blob = p.keys[at : at + run]
+            same = seen.setdefault((run, blob[:64], blob[-64:]), [])
+            where = next((w for b, w in same if b == blob), None)
             if where is None:
                 where = size
-                same.append((copy or bytes(blob), where))
+                same.append((blob, where))
                 parts.append(blob)
                 size += run
             run_ends.append(virtual + at + run)
