@@ -23,7 +23,15 @@ Steps (``*``: the coordinator; ``owner``: the busiest key owner):
 - ``check (owner)``: the busiest owner unpickles what it receives and checks its keys
   (``owned_key_problems``);
 - ``digest (rank)``: a cached save's only work: the digest of one rank's records
-  (``structure_digest``), then one all-reduce of one integer;
+  (``structure_digest``), a flag in the save's opening all-reduce;
+- ``common gather/diff (old)*``: the common-state check as it was at every save (and
+  is in Megatron-Core): the coordinator unpickles every rank's common state (a
+  Megatron-LM-like one: an argparse ``Namespace`` of 600 options, the iteration, the
+  optimizer's parameter groups and the scheduler's state; about 10 KB pickled) and
+  compares it with its own (``dict_utils.diff``);
+- ``common digest (rank)``: what every rank does instead: pickles and digests its common
+  state (``pickled_common_state``, ``common_state_digest``), a digest in the opening
+  all-reduce (the states are gathered only where the digests differ);
 - ``metadata*``: the coordinator unpickles every rank's plan records and write
   results, builds ``Metadata`` (``metadata_from_records``, then ``_finish``: the storage
   data and the data files' checksums from the result tables), pickles it (a save that
@@ -72,6 +80,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dist_checkpointing._torch_compat import StorageInfo
+from dist_checkpointing.dict_utils import diff
 from dist_checkpointing.engine.safety.metadata import load_metadata
 from dist_checkpointing.engine.safety.metadata_check import check_metadata
 from dist_checkpointing.engine.sharding_check import ShardRecord, sharding_integrity_problems
@@ -93,7 +102,11 @@ from dist_checkpointing.mapping import ShardedTensor
 from dist_checkpointing.strategies.state_dict_saver import _finish
 from dist_checkpointing.strategies.torch.layout import reformulated_global_shape
 from dist_checkpointing.strategies.torch.planners import MCoreSavePlanner
-from dist_checkpointing.validation import local_shard_records
+from dist_checkpointing.validation import (
+    common_state_digest,
+    local_shard_records,
+    pickled_common_state,
+)
 
 TP = 8
 ROWS, COLS = 32, 64  # a TP rank's row block of each sharded tensor
@@ -351,7 +364,38 @@ def run_validation(
     seconds, peak, _ = measure(lambda: structure_digest(records, 0, world), memory)
     row(world, "digest (rank)", seconds, peak)
     times["digest"] = seconds
+    common = megatron_common_state()
+    if old:
+        blobs = [pickled_common_state(megatron_common_state()) for _ in range(world)]
+
+        def compare() -> int:
+            first, *others = [pickle.loads(b) for b in blobs]
+            return sum(1 for other in others if any(diff(first, other)))
+
+        seconds, peak, differing = measure(compare, memory)
+        assert differing == 0
+        row(world, "common gather/diff (old)*", seconds, peak)
+        del blobs
+    seconds, peak, _ = measure(lambda: common_state_digest(pickled_common_state(common)), memory)
+    row(world, "common digest (rank)", seconds, peak)
+    times["digest"] += seconds
     return times
+
+
+def megatron_common_state() -> dict[str, Any]:
+    """A common state like Megatron-LM's (``args``, iteration, the optimizer's and the
+    scheduler's common parts), the same on every simulated rank."""
+    kinds: list[Any] = [1024, 0.01, "cosine", True, None, [1, 2, 4], "bf16", 3e-4]
+    options = {f"option_{i}": kinds[i % len(kinds)] for i in range(600)}
+    group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    return {
+        "args": argparse.Namespace(**options),
+        "checkpoint_version": 3.0,
+        "iteration": 1000,
+        "num_floating_point_operations_so_far": 1.2e18,
+        "optimizer": {"param_groups": [dict(group, params=list(range(64))) for _ in range(2)]},
+        "opt_param_scheduler": {"max_lr": 3e-4, "num_steps": 1000, "decay_style": "cosine"},
+    }
 
 
 class PickleWriter:

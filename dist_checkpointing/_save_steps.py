@@ -7,7 +7,9 @@ as an async request) and finalization (integrity manifest, then the commit of
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ from .engine.collectives import ProcessGroup, RankGroup
 from .engine.storage.location import CheckpointDir
 from .errors import CheckpointingException, UnsupportedFeatureError
 from .mapping import ShardedObject, ShardedStateDict, StateDict
+from .state_dict_utils import save_preprocess
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
     AsyncSaveShardedStrategy,
@@ -48,6 +51,31 @@ def save_strategies(
     return bind_process_group(sharded, process_group), bind_process_group(common, process_group)
 
 
+def open_for_save(
+    checkpoint_dir: str | os.PathLike[str],
+    strategies: tuple[Any, Any],
+    async_sharded_save: bool,
+    async_strategy: str | None,
+    validate_access_integrity: bool,
+    process_group: ProcessGroup,
+) -> tuple[SaveShardedStrategy, SaveCommonStrategy, CheckpointDir]:
+    """The strategies and the directory of a save. A failure here on one rank joins the
+    first collective the other ranks reach (:func:`save_preprocess`'s vote), which
+    raises it on every rank."""
+    try:
+        check_async_strategy(async_strategy)
+        sharded, common = save_strategies(*strategies, async_sharded_save, process_group)
+        ckpt = CheckpointDir.of(checkpoint_dir)
+        ckpt.require_dir("Checkpoint destination directory", for_writing=True)
+    except Exception as exc:  # one verdict: this rank joins the others' first collective
+        opening = commit.Opening(None, RankGroup(process_group), lambda name: False)
+        save_preprocess(
+            {}, validate_access_integrity, None, process_group, None, exc, opening=opening
+        )
+        raise  # (save_preprocess raised it already, on every rank)
+    return sharded, common, ckpt
+
+
 def check_async_strategy(async_strategy: str | None) -> None:
     if async_strategy in (None, "mcore"):
         return
@@ -60,6 +88,38 @@ def check_async_strategy(async_strategy: str | None) -> None:
     raise UnsupportedFeatureError(
         f"Unknown async_strategy {async_strategy!r}; supported: 'mcore' (the built-in writer)"
     )
+
+
+def save_opening(
+    ckpt: CheckpointDir,
+    sharded_strategy: SaveShardedStrategy,
+    common_strategy: SaveCommonStrategy,
+    group: RankGroup,
+    verify_integrity: bool,
+    extra: StateDict,
+) -> commit.Opening:
+    """The start of the commit protocol, carried by the save's first vote. Its first
+    writes (made by the coordinator before that vote, whose verdict covers them): the
+    common part, with ``extra`` added, where the common strategy writes on the save's
+    coordinator alone (``saves_on_coordinator_only``) and the sharded strategy keeps
+    the ShardedObjects. Else none: :func:`save_common_part` saves the common part
+    after the vote, with an all-reduce of its own."""
+    owns = functools.partial(owns_file, sharded_strategy, common_strategy)
+    opening = commit.Opening(ckpt, group, owns, verify_integrity)
+    if not (
+        common_strategy.saves_on_coordinator_only and sharded_strategy.can_handle_sharded_objects
+    ):
+        return opening
+    own_group = RankGroup(getattr(common_strategy, "process_group", group.group))
+    if own_group.coordinator_global_rank != group.coordinator_global_rank:
+        return opening
+
+    def write(common_part: StateDict) -> None:
+        common_part.update(extra)
+        common_strategy.save_common(common_part, ckpt)
+
+    opening.first_writes = write
+    return opening
 
 
 def save_common_part(
@@ -137,12 +197,12 @@ def write_sharded(
     sharded: SaveShardedStrategy,
     sharded_part: ShardedStateDict,
     finalize: Callable[[], None],
-    abort: Callable[[], None],
+    group: RankGroup,
     account: OpAccount,
     async_sharded_save: bool,
 ) -> AsyncRequest | None:
-    """Write now and finalize, or return the request that will (async; it calls
-    ``abort`` if its call fails)."""
+    """Write now and finalize, or return the request that will (async; it aborts the
+    commit protocol if its call fails)."""
     if not async_sharded_save:
         with account.phase("plan+stage+write"):
             sharded.save(sharded_part, ckpt)
@@ -152,7 +212,7 @@ def write_sharded(
     with account.phase("plan"):
         request = sharded.async_save(sharded_part, ckpt)
     request.add_finalize_fn(finalize)
-    request.add_abort_fn(abort)
+    request.add_abort_fn(functools.partial(commit.abort, ckpt, group))
     account.mark_blocked()
     return request
 

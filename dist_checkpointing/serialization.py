@@ -22,11 +22,10 @@ from typing import Any, TypeVar
 
 from ._accounting import OpAccount, tensor_bytes
 from ._save_steps import (
-    check_async_strategy,
     finalize_save,
-    owns_file,
+    open_for_save,
     save_common_part,
-    save_strategies,
+    save_opening,
     write_sharded,
 )
 from ._torch_compat import METADATA_FILE_NAME
@@ -137,28 +136,6 @@ def _gc_paused_call(fn: _F) -> _F:
 # --------------------------------------------------------------------------- save
 
 
-def _open_for_save(
-    checkpoint_dir: str | os.PathLike[str],
-    strategies: tuple[Any, Any],
-    async_sharded_save: bool,
-    async_strategy: str | None,
-    validate_access_integrity: bool,
-    process_group: ProcessGroup,
-) -> tuple[SaveShardedStrategy, SaveCommonStrategy, CheckpointDir]:
-    """The strategies and the directory of a save. A failure here on one rank joins the
-    first collective the other ranks reach (:func:`save_preprocess`'s), which raises it
-    on every rank."""
-    try:
-        check_async_strategy(async_strategy)
-        sharded, common = save_strategies(*strategies, async_sharded_save, process_group)
-        ckpt = CheckpointDir.of(checkpoint_dir)
-        ckpt.require_dir("Checkpoint destination directory", for_writing=True)
-    except Exception as exc:  # one verdict: this rank joins the others' first collective
-        save_preprocess({}, validate_access_integrity, None, process_group, None, exc)
-        raise  # (save_preprocess raised it already, on every rank)
-    return sharded, common, ckpt
-
-
 @_gc_paused_call
 def save(
     sharded_state_dict: ShardedStateDict,
@@ -181,11 +158,11 @@ def save(
         1. apply ShardedTensorFactories, drop LocalNonpersistentObjects, split the
            sharded part (ShardedTensor/ShardedObject leaves) from the common part;
         2. validate that every global tensor is covered exactly once by main
-           replicas (every rank raises the same error otherwise);
-        3. begin the commit protocol (save lock, staged names: an existing
-           checkpoint stays loadable), save the common part (``common.pt``);
-        4. write the shards (in the background with ``async_sharded_save``);
-        5. finalize: ``commit.json`` commits the save (``docs/format.rst``).
+           replicas (every rank raises the same error otherwise) and, in the same
+           vote, begin the commit protocol (save lock, staged names: an existing
+           checkpoint stays loadable); save the common part (``common.pt``);
+        3. write the shards (in the background with ``async_sharded_save``);
+        4. finalize: ``commit.json`` commits the save (``docs/format.rst``).
 
     Args:
         sharded_state_dict: the state dict with ShardedBase leaves.
@@ -209,7 +186,7 @@ def save(
         The AsyncRequest with ``async_sharded_save=True``, else None.
     """
     group = RankGroup(process_group)
-    sharded, common, ckpt = _open_for_save(
+    sharded, common, ckpt = open_for_save(
         checkpoint_dir,
         (sharded_strategy, common_strategy),
         async_sharded_save,
@@ -218,24 +195,24 @@ def save(
         process_group,
     )
     account = OpAccount(logger, "save", ckpt, group.rank)
+    extra = {} if content_metadata is None else {CONTENT_METADATA_KEY: content_metadata}
+    opening = save_opening(ckpt, sharded, common, group, verify_integrity, extra)
     with account.phase("validate"):
-        check_common = preprocess_common_before_consistancy_check
-        cache = sharded.validated_structure
         sharded_part, common_part = save_preprocess(
-            sharded_state_dict, validate_access_integrity, check_common, process_group, cache
-        )
-    commit.begin(ckpt, group, functools.partial(owns_file, sharded, common), verify_integrity)
-    if content_metadata is not None:
-        common_part[CONTENT_METADATA_KEY] = content_metadata
+            sharded_state_dict, validate_access_integrity,
+            preprocess_common_before_consistancy_check, process_group,
+            sharded.validated_structure, opening=opening,
+        )  # fmt: skip
     finalize = functools.partial(
         finalize_save, ckpt, sharded, common, verify_integrity, group, account
     )
     try:
-        with account.phase("common"):
-            sharded_part = save_common_part(ckpt, sharded, common, sharded_part, common_part, group)
-        abort = functools.partial(commit.abort, ckpt, group)
+        if opening.first_writes is None:  # else written before the vote, by the coordinator
+            with account.phase("common"):
+                sharded_part = save_common_part(
+                    ckpt, sharded, common, sharded_part, common_part | extra, group)  # fmt: skip
         return write_sharded(
-            ckpt, sharded, sharded_part, finalize, abort, account, async_sharded_save
+            ckpt, sharded, sharded_part, finalize, group, account, async_sharded_save
         )
     except BaseException:
         commit.abort(ckpt, group)

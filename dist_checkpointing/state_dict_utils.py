@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
+from .engine.checkpoint import commit
 from .engine.collectives import ProcessGroup, RankGroup
 from .engine.sharding_split import ValidatedStructure, validate_sharding_split
 from .errors import UnsupportedFeatureError
@@ -29,7 +31,13 @@ from .mapping import (
     apply_factories,
 )
 from .utils import extract_nonpersistent, extract_sharded_base
-from .validation import local_shard_records, validate_common_state_dict
+from .validation import (
+    DIGEST_MAX,
+    common_state_digest,
+    local_shard_records,
+    pickled_common_state,
+    validate_common_state_dict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +138,8 @@ def save_preprocess(
     process_group: ProcessGroup = None,
     validated_structure: ValidatedStructure | None = None,
     local_error: BaseException | None = None,
+    *,
+    opening: commit.Opening | None = None,
 ) -> tuple[ShardedStateDict, StateDict]:
     """Split ``sharded_state_dict`` into its sharded and common parts for saving.
 
@@ -139,10 +149,17 @@ def save_preprocess(
     ``validated_structure`` says no rank's shards changed since the last passing
     check), and log common-state differences between ranks.
 
+    One vote (an all-reduce) carries the sharding check's "changed" flags, a digest
+    of each rank's common state (the common states are gathered, to log their
+    differences, only where the digests differ: Megatron-Core gathers them at every
+    save) and, with ``opening`` (:class:`.engine.checkpoint.commit.Opening`, every
+    rank passes one or none), the start of the commit protocol, after which the
+    coordinator makes the opening's first writes (given the common part): a cached
+    save's opening costs that one all-reduce.
+
     Collective: a step that fails on one rank (``local_error``: the caller's own steps
-    before this one failed) raises on every rank, in the first collective (the
-    sharding check's, or one of its own without validation), never leaving the other
-    ranks waiting.
+    before this one failed) raises on every rank, in the vote, never leaving the
+    other ranks waiting.
 
     Returns:
         ``(sharded_part, common_part)``.
@@ -152,6 +169,9 @@ def save_preprocess(
     common_part: StateDict = {}
     records: list[Any] = []
     to_check: Any = None
+    pickled: bytes | str = b""
+    digest = 0
+    ballot = [] if opening is None else [0] * opening.WIDTH
     if error is None:
         try:
             sharded_part, common_part = split_for_save(sharded_state_dict)
@@ -160,14 +180,34 @@ def save_preprocess(
                 to_check = common_part
                 if preprocess_common_before_consistancy_check is not None:
                     to_check = preprocess_common_before_consistancy_check(common_part)
+                pickled = pickled_common_state(to_check)
+                digest = common_state_digest(pickled)
+            if opening is not None:
+                ballot = opening.ballot(common_part)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
     group = RankGroup(process_group)
-    if not validate_access_integrity:
-        group.fail_together(error, "Preparing the state dict to save")
-        return sharded_part, common_part
-    validate_sharding_split(records, group, validated_structure, local_error=error)
-    validate_common_state_dict(to_check, process_group)
+    ballot += [digest, DIGEST_MAX - digest]
+    try:
+        if validate_access_integrity:
+            agreed = validate_sharding_split(
+                records, group, validated_structure, local_error=error, ballot=ballot
+            )
+        else:
+            what = "Preparing the state dict to save"
+            agreed = group.fail_together(error, what, ballot, dist.ReduceOp.MAX)
+    except BaseException as exc:
+        cause = exc if opening is None else opening.failed(exc)
+        if cause is exc:
+            raise
+        raise cause from exc
+    if opening is not None:
+        opening.join(agreed)
+    if agreed[-2] != DIGEST_MAX - agreed[-1]:  # the largest and smallest digests differ
+        try:
+            validate_common_state_dict(to_check, process_group, pickled=pickled)
+        except Exception as exc:  # noqa: BLE001 - a warning's failure must not stop one rank
+            logger.warning("could not compare the ranks' common states: %s", exc)
     return sharded_part, common_part
 
 

@@ -9,6 +9,7 @@ wrappers gather that metadata and make every rank raise the same error.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pickle
@@ -24,7 +25,7 @@ from ._integrity_api import verify_integrity_manifest as verify_integrity_manife
 from .core import CheckpointingConfig, maybe_load_config
 from .dict_utils import diff, extract_matching_values, nested_values
 from .engine import knobs
-from .engine.checkpoint import commit, integrity
+from .engine.checkpoint import commit, integrity, reading
 from .engine.collectives import RankGroup, describe_error
 from .engine.sharding_check import (
     GlobalMetadata,
@@ -307,24 +308,44 @@ def validate_sharded_objects_handling(
         )
 
 
+def pickled_common_state(common_state_dict: CommonStateDict) -> bytes | str:
+    """The common state as :func:`validate_common_state_dict` compares it: pickled
+    here, not inside a collective, so that a value one rank cannot pickle is compared
+    as the error it raised (a string) instead of leaving the other ranks waiting."""
+    try:
+        return pickle.dumps(common_state_dict, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - reported as a difference, never a hang
+        return f"<common state that cannot be pickled: {type(exc).__name__}: {exc}>"
+
+
+DIGEST_MAX = (1 << 63) - 1  # digests lie in [0, DIGEST_MAX]
+
+
+def common_state_digest(pickled: bytes | str) -> int:
+    """A 63-bit digest of :func:`pickled_common_state`'s result: where every rank's is
+    the same, so is every rank's pickled common state (but for a 2**-63 chance)."""
+    data = pickled if isinstance(pickled, bytes) else pickled.encode("utf-8", "replace")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
 def validate_common_state_dict(
-    common_state_dict: CommonStateDict, process_group: dist.ProcessGroup | None = None
+    common_state_dict: CommonStateDict,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    pickled: bytes | str | None = None,
 ) -> None:
     """Warn (on the first rank) where other ranks' common state differs from its own.
 
-    Collective over ``process_group``. The first rank's common state is the one
-    saved; the warning keeps Megatron-Core's wording, then says what each entry
-    holds.
+    Collective over ``process_group`` (one gather to the first rank). The first
+    rank's common state is the one saved; the warning keeps Megatron-Core's wording,
+    then says what each entry holds. ``pickled``: :func:`pickled_common_state` of
+    ``common_state_dict``, where the caller has it. A save gathers only where the
+    ranks' digests differ (:func:`~.state_dict_utils.save_preprocess`).
     """
     group = RankGroup(process_group)
     if not group.distributed:
         return
-    # Pickled here, not inside the gather: a value one rank cannot pickle is compared
-    # as the error it raised, instead of leaving the other ranks in the gather.
-    try:
-        blob: bytes | str = pickle.dumps(common_state_dict, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001 - reported as a difference, never a hang
-        blob = f"<common state that cannot be pickled: {type(exc).__name__}: {exc}>"
+    blob = pickled_common_state(common_state_dict) if pickled is None else pickled
     gathered = group.gather(blob)
     if gathered is None:
         return
@@ -423,7 +444,7 @@ def _require_config(ckpt: CheckpointDir, verify_checksums: bool | None) -> Check
     ckpt.require_dir()
     if verify_checksums is None:
         verify_checksums = bool(knobs.VERIFY_CHECKSUMS.get())
-    if commit.open_for_read(ckpt, verify_checksums) is None:
+    if reading.open_for_read(ckpt, verify_checksums) is None:
         logger.info("%s has no commit record: checksum verification is unavailable", ckpt)
     config = maybe_load_config(ckpt)
     if config is not None:

@@ -200,16 +200,21 @@ class RankGroup:
         return {rank: cause for rank, cause in self.all_gather(mine) if cause is not None}
 
     def fail_together(
-        self, error: BaseException | None, what: str = "operation", flags: Sequence[int] = ()
+        self,
+        error: BaseException | None,
+        what: str = "operation",
+        flags: Sequence[int] = (),
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     ) -> list[int]:
-        """Raise on every rank if any rank passed an error; else return the summed ``flags``.
+        """Raise on every rank if any rank passed an error; else return ``flags``
+        reduced by ``op`` (``SUM`` or ``MAX``).
 
         One all-reduce of ``[error?, *flags]``; only when some rank failed, one
         all-gather of the causes follows. A failing rank re-raises ``error``;
         every other rank raises :class:`RankFailureError` naming each failing
-        rank and its cause.
+        rank and its cause. Every rank passes as many ``flags``.
         """
-        summed = self.all_reduce_ints([0 if error is None else 1, *flags])
+        summed = self.all_reduce_ints([0 if error is None else 1, *flags], op)
         if summed[0] == 0:
             return summed[1:]
         if not self.distributed:

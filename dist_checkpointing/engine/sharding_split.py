@@ -36,6 +36,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from ..errors import ShardingError
 from .collectives import RankGroup, describe_error
 from .sharding_check import (
@@ -176,14 +178,18 @@ def validate_sharding_split(
     group: RankGroup,
     validated: ValidatedStructure | None = None,
     local_error: BaseException | None = None,
-) -> None:
+    *,
+    ballot: Sequence[int] = (),
+) -> list[int]:
     """Check the sharding of every rank's ``records``, each key on its owner rank
     (collective over ``group``; every rank raises the same :class:`ShardingError`).
 
     With ``validated``: skipped after one all-reduce when no rank's records changed
     since the last save every rank validated; updated after a passing check.
     ``local_error``: this rank failed before the check (its records are not to be
-    used): raised on every rank in the check's first all-reduce.
+    used): raised on every rank in the check's first all-reduce. ``ballot``:
+    non-negative ints of the caller's own (every rank passes as many), taken by that
+    all-reduce: returned, each the largest any rank passed.
     """
     digest: int | None = None
     if local_error is not None and not group.distributed:
@@ -191,11 +197,11 @@ def validate_sharding_split(
     if not group.distributed:  # one rank: the same cache, no vote
         digest = None if validated is None else structure_digest(records, 0, 1, group.members)
         if validated is not None and validated.digest == digest:
-            return
+            return list(ballot)
         raise_sharding_problems(sharding_integrity_problems([list(records)]))
         if validated is not None:
             validated.digest = digest
-        return
+        return list(ballot)
     outgoing: list[list[WireRecord]] | None = None
     error: BaseException | None = local_error
     changed = True
@@ -207,9 +213,11 @@ def validate_sharding_split(
             outgoing = records_by_owner(records, group.world)
     except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
         error = e
-    (any_changed,) = group.fail_together(error, "grouping shard records", [int(changed)])
+    any_changed, *agreed = group.fail_together(
+        error, "grouping shard records", [int(changed), *ballot], dist.ReduceOp.MAX
+    )
     if any_changed == 0:
-        return
+        return agreed
     if outgoing is None:  # this rank's records are unchanged, another rank's are not
         outgoing = records_by_owner(records, group.world)
     mine = _owner_check(group, group.all_to_all(outgoing))
@@ -218,6 +226,7 @@ def validate_sharding_split(
         raise_sharding_problems(merge_key_problems(group.all_gather(mine)))
     if validated is not None:
         validated.digest = digest
+    return agreed
 
 
 __all__ = [

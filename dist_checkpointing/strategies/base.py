@@ -394,6 +394,10 @@ class LoadShardedStrategy(LoadStrategyBase):
 class SaveCommonStrategy(SaveStrategyBase):
     """Saves the common (non-sharded) part of a checkpoint."""
 
+    #: :meth:`save_common` writes on its group's first rank only (no-op elsewhere): a
+    #: save then calls it there before its first vote, whose verdict covers it.
+    saves_on_coordinator_only = False
+
     @abstractmethod
     def save_common(
         self, common_state_dict: StateDict, checkpoint_dir: str | os.PathLike[str]

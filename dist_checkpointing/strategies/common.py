@@ -65,6 +65,8 @@ def _as_state_dict(payload: Any, source: str) -> StateDict:
 class TorchCommonSaveStrategy(SaveCommonStrategy):
     """Writes ``common.pt`` (the first rank of ``process_group``, default: the world)."""
 
+    saves_on_coordinator_only = True
+
     def __init__(
         self,
         backend: str = "torch",

@@ -5,11 +5,12 @@ Call sequence, every rank of the group:
 1. ``save_state_dict_async_plan`` (in the calling process): the planner makes
    the local plan (or, where it tracks the structure and the cached plan was made
    from an equal ``structure_signature()``, rebinds that plan's items to the new
-   data) and the writer tags it with its file prefix; unless every
-   rank's local plan equals the cached one (one all-reduce decides), the
-   coordinator gathers all local plans, builds the global plan and the
-   metadata, and scatters each rank its part; the writer then prepares
-   (resolves and buckets) the data to write.
+   data) and the writer tags it with its file prefix; the writer prepares
+   (resolves and buckets) the data to write. Where every rank's local plan
+   equals the cached one (one all-reduce decides; a rank whose plan does
+   prepares it before), that is all. Else the coordinator gathers all local
+   plans, builds the global plan and the metadata, and scatters each rank its
+   part; the writer prepares the data, and a second all-reduce agrees on it.
 2. The caller runs the writer's write function (in this process, or in the
    background).
 3. ``save_state_dict_async_finalize``: each rank collects its write results;
@@ -214,35 +215,50 @@ def save_state_dict_async_plan(
         and local_plan == cached.local_plan
         and (cached.metadata is not None or not group.is_coordinator)
     )
+    if error is None and reuse and cached is not None:
+        # Prepared before the vote, with the cached plan: when every rank reuses its
+        # plan, that vote is the only one. Where this fails, the rank votes "not
+        # cached": the plans are exchanged and prepared again, and a failure then is
+        # raised on every rank by the second vote.
+        plan = cached.central_plan
+        _, failed = _attempt(lambda: _prepare(planner, storage_writer, plan, cached))
+        reuse = failed is None
     (not_cached,) = group.fail_together(error, "save planning", [0 if reuse else 1])
     assert local_plan is not None
     pending = False
-    if not_cached == 0 and cached is not None:
+    reused = not_cached == 0 and cached is not None
+    if reused and cached is not None:
         logger.debug("Reusing the cached checkpoint structure (no plan exchange)")
         central_plan, metadata = cached.central_plan, cached.metadata
-    elif _decentralized(planner):
-        # Each rank's final plan is its local plan; the coordinator builds the
-        # metadata at finalization (no gather/scatter of plans here).
-        central_plan, metadata, pending = local_plan, None, True
     else:
-        central_plan, metadata = _exchange_plans(group, local_plan, planner, storage_writer)
-
-    reused = not_cached == 0 and cached is not None
-
-    def prepare() -> SavePlan:
-        final = planner.finish_plan(central_plan)
-        if reused and cached is not None and cached.bucket_layout is not None:
-            storage_writer.bucket_layout = cached.bucket_layout  # type: ignore[attr-defined]
-        storage_writer.prepare_write_data(final, planner)  # type: ignore[attr-defined]
-        return final
-
-    final_plan, error = _attempt(prepare)
-    group.fail_together(error, "preparing the data to write")
+        if _decentralized(planner):
+            # Each rank's final plan is its local plan; the coordinator builds the
+            # metadata at finalization (no gather/scatter of plans here).
+            central_plan, metadata, pending = local_plan, None, True
+        else:
+            central_plan, metadata = _exchange_plans(group, local_plan, planner, storage_writer)
+        _, error = _attempt(lambda: _prepare(planner, storage_writer, central_plan, None))
+        group.fail_together(error, "preparing the data to write")
     digest = cached.results_digest if reused and cached is not None else None
     structure = CachedStructure(local_plan, central_plan, metadata, pending, reused, digest)
     structure.signature = signature
     structure.bucket_layout = getattr(storage_writer, "bucket_layout", None)
     return storage_writer, metadata, structure
+
+
+def _prepare(
+    planner: SavePlanner,
+    storage_writer: StorageWriter,
+    central_plan: SavePlan,
+    reused: CachedStructure | None,
+) -> SavePlan:
+    """The writer resolves and buckets the data of ``central_plan`` (grouped as the
+    ``reused`` structure grouped them, where given)."""
+    final = planner.finish_plan(central_plan)
+    if reused is not None and reused.bucket_layout is not None:
+        storage_writer.bucket_layout = reused.bucket_layout  # type: ignore[attr-defined]
+    storage_writer.prepare_write_data(final, planner)  # type: ignore[attr-defined]
+    return final
 
 
 def _exchange_plans(

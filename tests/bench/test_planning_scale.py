@@ -14,6 +14,7 @@ STEPS = [
     "records+bin (rank)",
     "check (owner,",
     "digest (rank)",
+    "common digest (rank)",
     "metadata* (",
     "cached metadata*",
     "cached metadata, later*",

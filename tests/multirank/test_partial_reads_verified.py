@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.engine.checkpoint import commit
+from dist_checkpointing.engine.checkpoint import reading
 from dist_checkpointing.engine.raw import load as raw_load
 from dist_checkpointing.engine.storage.location import CheckpointDir
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -69,7 +69,7 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def _verified_read(ckpt: Path, key: str, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
     location = CheckpointDir.of(ckpt)
-    assert commit.open_for_read(location) is not None  # checksums come from the record
+    assert reading.open_for_read(location) is not None  # checksums come from the record
     lengths = (rows[1] - rows[0], cols[1] - cols[0])
     target = torch.zeros(lengths)
     _read(location, [("dst", key, (rows[0], cols[0]), lengths, target)])  # type: ignore[arg-type]
@@ -129,7 +129,7 @@ def saved_raw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 def _verified_raw_read(ckpt: Path, sh: ShardedTensor) -> None:
     location = CheckpointDir.of(ckpt)
-    assert commit.open_for_read(location) is not None
+    assert reading.open_for_read(location) is not None
     assert raw_load.verifying(location)
     raw_load.load_leaves([sh], location, lambda data, where: None)
 

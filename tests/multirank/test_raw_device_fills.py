@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.engine.checkpoint import commit
+from dist_checkpointing.engine.checkpoint import reading
 from dist_checkpointing.engine.raw import load as raw_load
 from dist_checkpointing.engine.raw.reader import RawReader
 from dist_checkpointing.engine.raw.reshard_plan import LoadPlan
@@ -63,7 +63,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _fill(ckpt: Path, pool: StagingPool) -> dict[str, torch.Tensor]:
     """Every entry streamed through ``pool`` into a CPU tensor, verified."""
     location = CheckpointDir.of(ckpt)
-    assert commit.open_for_read(location) is not None  # checksums from the record
+    assert reading.open_for_read(location) is not None  # checksums from the record
     index = raw_load.read_index(location)
     targets = {k: torch.zeros(ROWS[k], COLS) for k in ROWS}
     plan = LoadPlan(pool=pool)

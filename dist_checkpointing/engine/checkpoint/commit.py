@@ -6,10 +6,11 @@ A checkpoint is *committed* when its commit record (``commit.json``, see
 
 Call sequence of one save (every rank calls each step; "C" is the coordinator):
 
-1. :func:`begin`, after the save was validated: C takes the save lock
-   (:mod:`.lock`; a second job gets ``ConcurrentSaveError`` on every rank),
-   finishes an interrupted commit of the previous save (roll forward), deletes
-   the leftovers of crashed saves, and draws the save id; every rank learns it.
+1. :func:`begin` (or :class:`Opening`, which the save's first vote carries,
+   together with its sharding check): C takes the save lock (:mod:`.lock`; a
+   second job gets ``ConcurrentSaveError`` on every rank), finishes an
+   interrupted commit of the previous save (roll forward), deletes the leftovers
+   of crashed saves, and draws the save id; every rank learns it.
    The handle's context then *stages* the fixed-name files: ``.metadata``,
    ``common.pt``, ``metadata.json`` and ``integrity.json`` are written as
    ``<name>.<tag>.pending``; where the directory already holds checkpoint files,
@@ -29,7 +30,7 @@ A crash before the commit point leaves the previous checkpoint exactly as it
 was; the next save deletes the leftovers (``*.pending`` files, data files no
 committed checkpoint names) under the lock. A crash after it leaves a record
 whose ``install`` list names files still under their staged names: a load reads
-them there (:func:`open_for_read`), and the next save finishes the renames.
+them there (:func:`.reading.open_for_read`), and the next save finishes the renames.
 """
 
 from __future__ import annotations
@@ -37,23 +38,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
 
 from ...errors import (
     CheckpointWriteError,
     ConcurrentSaveError,
-    ForeignFileError,
-    IncompleteCheckpointError,
+    RankFailureError,
 )
 from .. import knobs
 from ..collectives import RankGroup, describe_error
 from ..storage.checksums import FileEntry, block_size
-from ..storage.item_checksums import DataFileEntry, ItemChecksum
+from ..storage.item_checksums import DataFileEntry
 from ..storage.location import CheckpointDir
 from . import lock
+from .reading import open_for_read, read_record
 from .record import COMMIT_RECORD, CommitRecord
 
 logger = logging.getLogger(__name__)
@@ -124,45 +127,119 @@ def begin(
     owns_file: Callable[[str], bool],
     digest_data_files: bool = False,
 ) -> SaveSession:
-    """Step 1 (collective): lock, recover, clean up, agree on the save id.
+    """Step 1 (collective): lock, recover, clean up, agree on the save id (one
+    all-reduce; a save folds it into its first vote instead, see :class:`Opening`).
 
     ``owns_file(name)`` says which files of the directory belong to checkpoints
     (the strategies' files and the protocol's): only those are ever deleted.
     ``digest_data_files``: the save records an integrity manifest, so its data file
     writers compute each file's sha256 as they write it (``ckpt.context``).
     """
-    outcome: tuple[str, str] = ("ok", "")
+    opening = Opening(ckpt, group, owns_file, digest_data_files)
     error: BaseException | None = None
-    session: SaveSession | None = None
-    if group.is_coordinator:
+    ballot = [0] * Opening.WIDTH
+    try:
+        ballot = opening.ballot()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    try:
+        agreed = group.fail_together(error, "Starting the save", ballot, dist.ReduceOp.MAX)
+    except BaseException as exc:
+        cause = opening.failed(exc)
+        if cause is exc:
+            raise
+        raise cause from exc
+    return opening.join(agreed)
+
+
+class Opening:
+    """Step 1 without a collective of its own: carried by the save's first vote.
+
+    Call sequence (every rank calls each step):
+
+    1. :meth:`ballot`, before the vote: C takes the save lock (:mod:`.lock`; a second
+       job gets ``ConcurrentSaveError`` on every rank), finishes an interrupted commit
+       of the previous save, deletes the leftovers of crashed saves, draws the save id
+       and attaches the session; then makes its ``first_writes`` (staged, as every
+       write of the save). Returns the save id as :data:`WIDTH` non-negative ints; the
+       other ranks return zeros. Raises what C's step raised (the vote then fails on
+       every rank).
+    2. the caller's vote: one all-reduce (``MAX``) of every rank's ballot, which also
+       tells every rank whether any rank failed (:meth:`.RankGroup.fail_together`);
+    3. :meth:`join` with the reduced ballot (the vote passed): every rank attaches the
+       session, the others with C's save id; or :meth:`failed` with the exception the
+       vote raised (it failed): C releases the lock; returns what to raise.
+    """
+
+    WIDTH = 5  # the save id's 128 bits as four 32-bit ints, then "data files tagged"
+
+    def __init__(
+        self,
+        ckpt: CheckpointDir | None,
+        group: RankGroup,
+        owns_file: Callable[[str], bool],
+        digest_data_files: bool = False,
+        first_writes: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.ckpt = ckpt
+        self.group = group
+        self.owns_file = owns_file
+        self.digest_data_files = digest_data_files
+        self.first_writes = first_writes  # C's, given what ballot() is given
+        self.session: SaveSession | None = None  # C's, once it holds the lock
+
+    def ballot(self, state: Any = None) -> list[int]:
+        if not self.group.is_coordinator or self.ckpt is None:
+            return [0] * self.WIDTH
+        ckpt, owns_file = self.ckpt, self.owns_file
         session = SaveSession(secrets.token_hex(16), block_size(), owns_file=owns_file)
-        save_id = session.save_id
+        lock.acquire(ckpt, session.save_id, session)
         try:
-            lock.acquire(ckpt, save_id, session)
-            try:
-                _, names = _recover(ckpt, owns_file)
-                # Data files need names of their own only where they could collide
-                # with a checkpoint's (a fresh directory keeps Megatron-Core's names).
-                if any(owns_file(n) for n in names):
-                    session.data_tag = session.tag
-            except BaseException:
-                lock.release(ckpt, save_id)
-                raise
-            outcome = ("ok", f"{save_id}:{session.data_tag}")
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            error = exc
-            outcome = ("error", describe_error(exc))
-    status, value = group.broadcast(outcome)
-    if status == "error":
-        if error is not None:
-            raise error
-        kind = ConcurrentSaveError if "ConcurrentSaveError" in value else CheckpointWriteError
-        raise kind(f"{ckpt}: the save could not start on the coordinator: {value}")
-    if session is None:
-        save_id, data_tag = value.split(":")
-        session = SaveSession(save_id, block_size(), owns_file=owns_file, data_tag=data_tag)
-    _attach(ckpt, session, digest_data_files)
-    return session
+            _, names = _recover(ckpt, owns_file)
+        except BaseException:
+            lock.release(ckpt, session.save_id)
+            raise
+        # Data files need names of their own only where they could collide with a
+        # checkpoint's (a fresh directory keeps Megatron-Core's names).
+        if any(owns_file(n) for n in names):
+            session.data_tag = session.tag
+        self.session = session
+        _attach(ckpt, session, self.digest_data_files)
+        if self.first_writes is not None:
+            self.first_writes(state)
+        words = [int(session.save_id[i : i + 8], 16) for i in range(0, 32, 8)]
+        return [*words, int(bool(session.data_tag))]
+
+    def join(self, agreed: Sequence[int]) -> SaveSession:
+        assert self.ckpt is not None, "join() after a failed ballot"
+        if self.session is not None:  # C: attached by ballot()
+            return self.session
+        save_id = "".join(f"{w:08x}" for w in agreed[:4])
+        session = SaveSession(save_id, block_size(), owns_file=self.owns_file)
+        session.data_tag = session.tag if agreed[4] else ""
+        _attach(self.ckpt, session, self.digest_data_files)
+        return session
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """C deletes what its first writes staged and releases the lock (a save that
+        fails its first vote leaves the directory as it found it); returns ``exc``
+        (what the vote raised), or, on the other ranks where C could not take the
+        lock, :class:`ConcurrentSaveError`."""
+        session, ckpt = self.session, self.ckpt
+        if session is not None and ckpt is not None:
+            for name in session.files:
+                with contextlib.suppress(OSError):
+                    _remove_quietly(ckpt, session.staged_name(name))
+            lock.release(ckpt, session.save_id)
+            _detach(ckpt)
+            self.session = None
+        if self.ckpt is not None and isinstance(exc, RankFailureError):
+            cause = exc.failures.get(self.group.coordinator_global_rank, "")
+            if cause.startswith(ConcurrentSaveError.__name__):
+                return ConcurrentSaveError(
+                    f"{self.ckpt}: the save could not start on the coordinator: {cause}"
+                )
+        return exc
 
 
 def commit(ckpt: CheckpointDir, group: RankGroup, marker: bytes) -> None:
@@ -244,13 +321,6 @@ def _install(ckpt: CheckpointDir, record: CommitRecord) -> None:
             install(pair)
     record.install = {}
     _write_record(ckpt, record)
-
-
-def read_record(ckpt: CheckpointDir) -> CommitRecord | None:
-    """The checkpoint's commit record (None for checkpoints written without one)."""
-    if not ckpt.has(COMMIT_RECORD):
-        return None
-    return CommitRecord.from_bytes(ckpt.read_unchecked(COMMIT_RECORD), ckpt.path(COMMIT_RECORD))
 
 
 def recover(ckpt: CheckpointDir, owns_file: Callable[[str], bool]) -> CommitRecord | None:
@@ -363,76 +433,15 @@ def _remove_quietly(ckpt: CheckpointDir, name: str) -> None:
         ckpt.fs.remove(ckpt.fs.join(ckpt.root, name))
 
 
-# --------------------------------------------------------------------------- load
-
-
-def open_for_read(ckpt: CheckpointDir, verify: bool = True) -> CommitRecord | None:
-    """Set up a load: read the record (if any), read staged files of an interrupted
-    commit in place, and (with ``verify``) check every whole file and data item
-    read through the handle against the record.
-
-    Raises:
-        IncompleteCheckpointError: the record names a file that is missing.
-        CorruptCheckpointError: the record is damaged.
-    """
-    record = ckpt.memo(COMMIT_RECORD, lambda: read_record(ckpt))
-    ctx = ckpt.context
-    if record is None:
-        return None
-    ctx.aliases = {final: staged for final, staged in record.install.items() if ckpt.has(staged)}
-    missing = [n for n in record.files if not ckpt.has(n)]
-    if missing:
-        hint = " (saved with verify_integrity=True)" if "integrity.json" in missing else ""
-        raise IncompleteCheckpointError(
-            f"{ckpt}: the commit record of save {record.save_id} names "
-            f"{', '.join(sorted(missing))}, which is missing{hint}"
-        )
-    ctx.attachments["record"] = record
-    if verify:
-        ctx.on_read = _file_verifier(ckpt, record)
-        if record.data_checksums:
-            ctx.item_checksum = _item_lookup(record)
-            ctx.block_bytes = record.block_bytes
-    return record
-
-
-def _file_verifier(ckpt: CheckpointDir, record: CommitRecord) -> Callable[[str, bytes], None]:
-    # The handle is held weakly: it holds this function (its context's on_read), and a
-    # cycle would keep the handle's parsed metadata alive until a garbage collection.
-    handle = weakref.ref(ckpt)
-
-    def check(name: str, data: bytes) -> None:
-        entry = record.files.get(name)
-        if entry is None:
-            return
-        if FileEntry.of(data, record.block_bytes) != entry:
-            owner = handle()
-            raise ForeignFileError(
-                f"{owner.path(name) if owner else name} does not match the commit record of save "
-                f"{record.save_id} ({len(data)} bytes, recorded {entry.size}; checksums "
-                f"differ): it was modified or comes from another save"
-            )
-
-    return check
-
-
-def _item_lookup(record: CommitRecord) -> Callable[[str, int], ItemChecksum | None]:
-    def lookup(relative_path: str, offset: int) -> ItemChecksum | None:
-        entry = record.data_files.get(relative_path)
-        return None if entry is None else entry.item_at(offset)
-
-    return lookup
-
-
 __all__ = [
     "COMMIT_MARKER",
+    "Opening",
     "SaveSession",
     "abort",
     "begin",
     "cleanup",
     "commit",
     "is_protocol_file",
-    "open_for_read",
     "read_record",
     "recover",
     "replace_files",

@@ -24,7 +24,8 @@ from ..storage.base import ReadStream
 from ..storage.checksums import FileEntry, crc
 from ..storage.item_checksums import DataFileEntry, ItemChecksum
 from ..storage.location import CheckpointDir
-from .commit import COMMIT_MARKER, open_for_read
+from .commit import COMMIT_MARKER
+from .reading import open_for_read
 from .record import CommitRecord
 
 logger = logging.getLogger(__name__)
