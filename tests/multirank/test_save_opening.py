@@ -222,3 +222,39 @@ def test_a_rank_that_prepared_with_the_cached_plan_prepares_again_when_another_c
 ) -> None:
     for result in run_distributed(_one_rank_changes, 2, str(tmp_path), timeout=TIMEOUT_S):
         assert result == [True, True, True]
+
+
+def _raw_results_lost(root: str) -> tuple[str, str, list[str]]:
+    """A raw_bytes save whose rank 1 loses its write results at finalize."""
+    from dist_checkpointing.engine.raw import save as raw_save
+    from dist_checkpointing.errors import CheckpointWriteError
+
+    rank = dist.get_rank()
+    original = raw_save._outcome
+
+    def lost(results: Any, names: list[str], r: int) -> Any:
+        original(results, names, r)
+        raise CheckpointWriteError(f"rank {r}: injected: the write results were lost")
+
+    if rank == 1:
+        raw_save._outcome = lost  # type: ignore[assignment]
+    try:
+        dcp.save(_state(rank, 1), root, sharded_strategy=("raw_bytes", 1))
+        kind, message = "saved", ""
+    except Exception as exc:  # noqa: BLE001 - returned for inspection
+        kind, message = type(exc).__name__, str(exc)
+    finally:
+        raw_save._outcome = original  # type: ignore[assignment]
+    dist.barrier()
+    return kind, message, sorted(os.listdir(root))
+
+
+def test_a_rank_losing_its_write_results_fails_the_raw_save_everywhere(tmp_path: Path) -> None:
+    """The writes' and the index's verdicts are one all-reduce: the coordinator writes
+    no index without every rank's piece, and every rank raises naming rank 1."""
+    for kind, message, left in run_distributed(
+        _raw_results_lost, 2, str(tmp_path), timeout=TIMEOUT_S
+    ):
+        assert kind == "CheckpointWriteError" and "injected" in message and "1" in message
+        assert "commit.json" not in left and "metadata.json" not in left
+        assert not any(name.startswith(".raw_index") for name in left), left

@@ -14,11 +14,12 @@ Call sequence (every rank; "C" is the coordinator):
    in this process (sync save) or a background one (async save), and reports the
    item checksums and, for a save that records an integrity manifest, each file's
    sha256 (or the failure) through a results queue;
-4. its finalize function (:func:`finalize`): every rank collects its outcome
-   (a failure anywhere raises on every rank), C gathers the index pieces, writes
+4. its finalize function (:func:`finalize`): every rank collects its outcome,
+   C gathers the index pieces (a rank whose outcome failed sends none), writes
    ``.raw_index`` (staged by the commit protocol, recorded in ``commit.json``)
-   and hands the data files to the commit record; a failure of C raises on
-   every rank. The commit itself follows (``metadata.json``, ``commit.json``).
+   and hands the data files to the commit record; one all-reduce then raises
+   any rank's failure on every rank. The commit itself follows
+   (``metadata.json``, ``commit.json``).
 """
 
 from __future__ import annotations
@@ -95,15 +96,18 @@ def finalize(
         ckpt.context.file_digests.update(digests)  # for the integrity manifest
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    group.fail_together(error, f"Writing {ckpt}")
-    pieces = group.gather(piece)
-    error = None
-    if pieces is not None:
+    # One verdict for the writes and the index: a rank whose results failed sends no
+    # piece, and the coordinator then writes no index.
+    pieces = group.gather(None if error is not None else piece)
+    if pieces is not None and error is None:
         try:
+            failed = [rank for rank, p in enumerate(pieces) if p is None]
+            if failed:
+                raise CheckpointWriteError(f"{ckpt}: no write results from rank(s) {failed}")
             _write_index(ckpt, pieces, wr.block_bytes)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
-    group.fail_together(error, f"Writing the index of {ckpt}")
+    group.fail_together(error, f"Writing {ckpt} and its index")
 
 
 def _write_index(ckpt: CheckpointDir, pieces: list[IndexPiece], block_bytes: int) -> None:
