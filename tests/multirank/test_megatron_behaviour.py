@@ -29,6 +29,7 @@ from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.support.harness import run_distributed, world_sizes
+from tests.support.log_capture import WarningRecords
 
 TIMEOUT_S = 90.0
 
@@ -157,17 +158,8 @@ def test_key_mismatch_error_keeps_megatron_wording(tmp_path: Path) -> None:
         assert "strict" in message  # and says what to do
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _common_state_differs(ckpt: str) -> list[str]:
-    handler = _Records()
+    handler = WarningRecords()
     logging.getLogger("dist_checkpointing").addHandler(handler)
     rank = dist.get_rank()
     sd = {"w": _whole("w", torch.ones(2), replica_id=rank), "step": 10 + rank}

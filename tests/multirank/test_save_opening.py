@@ -27,6 +27,7 @@ import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 from tests.support.harness import run_distributed, world_sizes
+from tests.support.log_capture import WarningRecords
 
 TIMEOUT_S = 120.0
 _COLLECTIVES = (
@@ -79,17 +80,27 @@ def _state(rank: int, step: int, extra: bool = False) -> dict[str, Any]:
     return sd
 
 
+def _cached_strategy(backend: str) -> Any:
+    strategy = dcp.get_default_save_sharded_strategy(backend, 1)
+    return type(strategy)(backend, 1, cached_metadata=True)
+
+
+def _fresh_dir(root: str, name: str) -> str:
+    """``root/name``, made by rank 0, seen by every rank."""
+    path = os.path.join(root, name)
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    return path
+
+
 def _plan_counts(root: str, backend: str) -> list[dict[str, int]]:
     """The collectives each of three saves makes before it returns its request."""
     rank = dist.get_rank()
-    strategy = dcp.get_default_save_sharded_strategy(backend, 1)
-    strategy = type(strategy)(backend, 1, cached_metadata=True)
+    strategy = _cached_strategy(backend)
     counts = []
     for step in range(3):
-        path = os.path.join(root, f"step{step}")
-        if rank == 0:
-            os.makedirs(path)
-        dist.barrier()
+        path = _fresh_dir(root, f"step{step}")
         with _counted() as counted:
             request = dcp.save(
                 _state(rank, step), path, sharded_strategy=strategy, async_sharded_save=True
@@ -114,27 +125,15 @@ def test_a_save_of_an_unchanged_structure_plans_with_its_votes_alone(
             assert count == {"all_reduce": votes}, counts
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _common_gathers(root: str) -> list[tuple[int, int]]:
     """(gathers, warnings) of the planning of a save whose common states agree, then of
     one whose common states differ (``raw_bytes``: its plan gathers nothing else)."""
     rank = dist.get_rank()
-    handler = _Warnings()
+    handler = WarningRecords()
     logging.getLogger("dist_checkpointing").addHandler(handler)
     out = []
     for n, step in enumerate((5, 5 + rank)):  # the second: a step per rank
-        path = os.path.join(root, f"s{n}")
-        if rank == 0:
-            os.makedirs(path)
-        dist.barrier()
+        path = _fresh_dir(root, f"s{n}")
         sd = _state(rank, 1)
         sd["iteration"] = step
         before = len(handler.messages)
@@ -196,14 +195,10 @@ def _one_rank_changes(root: str) -> list[bool]:
     """Three cached torch_dist saves; at the third only rank 1's structure changes, so
     rank 0 prepared its data with the cached plan before the vote, then again."""
     rank = dist.get_rank()
-    strategy = dcp.get_default_save_sharded_strategy("torch_dist", 1)
-    strategy = type(strategy)("torch_dist", 1, cached_metadata=True)
+    strategy = _cached_strategy("torch_dist")
     out = []
     for step in range(3):
-        path = os.path.join(root, f"step{step}")
-        if rank == 0:
-            os.makedirs(path)
-        dist.barrier()
+        path = _fresh_dir(root, f"step{step}")
         changed = step == 2 and rank == 1
         dcp.save(_state(rank, step, extra=changed), path, sharded_strategy=strategy)
         loaded = dcp.load(_state(rank, 0, extra=changed), path)
