@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from .engine.checkpoint import commit
-from .engine.collectives import ProcessGroup, RankGroup
+from .engine.collectives import ProcessGroup, RankGroup, all_equal, equal_ballot
 from .engine.sharding_split import ValidatedStructure, validate_sharding_split
 from .errors import UnsupportedFeatureError
 from .mapping import (
@@ -32,7 +32,6 @@ from .mapping import (
 )
 from .utils import extract_nonpersistent, extract_sharded_base
 from .validation import (
-    DIGEST_MAX,
     common_state_digest,
     local_shard_records,
     pickled_common_state,
@@ -187,7 +186,7 @@ def save_preprocess(
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
     group = RankGroup(process_group)
-    ballot += [digest, DIGEST_MAX - digest]
+    ballot += equal_ballot([digest])
     try:
         if validate_access_integrity:
             agreed = validate_sharding_split(
@@ -203,7 +202,7 @@ def save_preprocess(
         raise cause from exc
     if opening is not None:
         opening.join(agreed)
-    if agreed[-2] != DIGEST_MAX - agreed[-1]:  # the largest and smallest digests differ
+    if not all_equal(agreed[-2:]):  # the largest and smallest digests differ
         try:
             validate_common_state_dict(to_check, process_group, pickled=pickled)
         except Exception as exc:  # noqa: BLE001 - a warning's failure must not stop one rank

@@ -318,9 +318,6 @@ def pickled_common_state(common_state_dict: CommonStateDict) -> bytes | str:
         return f"<common state that cannot be pickled: {type(exc).__name__}: {exc}>"
 
 
-DIGEST_MAX = (1 << 63) - 1  # digests lie in [0, DIGEST_MAX]
-
-
 def common_state_digest(pickled: bytes | str) -> int:
     """A 63-bit digest of :func:`pickled_common_state`'s result: where every rank's is
     the same, so is every rank's pickled common state (but for a 2**-63 chance)."""

@@ -228,6 +228,20 @@ class RankGroup:
         )
 
 
+def equal_ballot(values: Sequence[int]) -> list[int]:
+    """Ints to all-reduce with ``MAX`` (alone, or among others) that tell every rank
+    whether every rank passed the same ``values``: each value, then each negated (the
+    largest of a negation is the smallest value; see :func:`all_equal`)."""
+    return [*values, *(-v for v in values)]
+
+
+def all_equal(reduced: Sequence[int]) -> bool:
+    """Whether the ``MAX`` of every rank's :func:`equal_ballot` shows that every rank
+    passed the same values (in each slot the largest is the smallest)."""
+    half = len(reduced) // 2
+    return list(reduced[:half]) == [-v for v in reduced[half:]]
+
+
 def raise_on_all_ranks(
     local_error: BaseException | None,
     process_group: ProcessGroup = None,
@@ -240,8 +254,10 @@ def raise_on_all_ranks(
 __all__ = [
     "ProcessGroup",
     "RankGroup",
+    "all_equal",
     "describe_error",
     "dist_active",
+    "equal_ballot",
     "format_failures",
     "raise_on_all_ranks",
 ]

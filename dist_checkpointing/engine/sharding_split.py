@@ -187,9 +187,9 @@ def validate_sharding_split(
     With ``validated``: skipped after one all-reduce when no rank's records changed
     since the last save every rank validated; updated after a passing check.
     ``local_error``: this rank failed before the check (its records are not to be
-    used): raised on every rank in the check's first all-reduce. ``ballot``:
-    non-negative ints of the caller's own (every rank passes as many), taken by that
-    all-reduce: returned, each the largest any rank passed.
+    used): raised on every rank in the check's first all-reduce. ``ballot``: ints of
+    the caller's own (every rank passes as many), taken by that all-reduce: returned,
+    each the largest any rank passed.
     """
     digest: int | None = None
     if local_error is not None and not group.distributed:

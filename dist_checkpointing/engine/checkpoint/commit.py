@@ -6,11 +6,11 @@ A checkpoint is *committed* when its commit record (``commit.json``, see
 
 Call sequence of one save (every rank calls each step; "C" is the coordinator):
 
-1. :func:`begin` (or :class:`Opening`, which the save's first vote carries,
-   together with its sharding check): C takes the save lock (:mod:`.lock`; a
-   second job gets ``ConcurrentSaveError`` on every rank), finishes an
-   interrupted commit of the previous save (roll forward), deletes the leftovers
-   of crashed saves, and draws the save id; every rank learns it.
+1. :class:`Opening`, carried by the save's first vote (its sharding check's
+   all-reduce): C takes the save lock (:mod:`.lock`; a second job gets
+   ``ConcurrentSaveError`` on every rank), finishes an interrupted commit of the
+   previous save (roll forward), deletes the leftovers of crashed saves, and
+   draws the save id; every rank learns it.
    The handle's context then *stages* the fixed-name files: ``.metadata``,
    ``common.pt``, ``metadata.json`` and ``integrity.json`` are written as
    ``<name>.<tag>.pending``; where the directory already holds checkpoint files,
@@ -42,8 +42,6 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch.distributed as dist
 
 from ...errors import (
     CheckpointWriteError,
@@ -121,39 +119,9 @@ def _detach(ckpt: CheckpointDir) -> None:
 # --------------------------------------------------------------------------- save
 
 
-def begin(
-    ckpt: CheckpointDir,
-    group: RankGroup,
-    owns_file: Callable[[str], bool],
-    digest_data_files: bool = False,
-) -> SaveSession:
-    """Step 1 (collective): lock, recover, clean up, agree on the save id (one
-    all-reduce; a save folds it into its first vote instead, see :class:`Opening`).
-
-    ``owns_file(name)`` says which files of the directory belong to checkpoints
-    (the strategies' files and the protocol's): only those are ever deleted.
-    ``digest_data_files``: the save records an integrity manifest, so its data file
-    writers compute each file's sha256 as they write it (``ckpt.context``).
-    """
-    opening = Opening(ckpt, group, owns_file, digest_data_files)
-    error: BaseException | None = None
-    ballot = [0] * Opening.WIDTH
-    try:
-        ballot = opening.ballot()
-    except Exception as exc:  # noqa: BLE001 - raised on every rank below
-        error = exc
-    try:
-        agreed = group.fail_together(error, "Starting the save", ballot, dist.ReduceOp.MAX)
-    except BaseException as exc:
-        cause = opening.failed(exc)
-        if cause is exc:
-            raise
-        raise cause from exc
-    return opening.join(agreed)
-
-
 class Opening:
-    """Step 1 without a collective of its own: carried by the save's first vote.
+    """Step 1 (module docstring), without a collective of its own: carried by the
+    save's first vote.
 
     Call sequence (every rank calls each step):
 
@@ -248,7 +216,7 @@ def commit(ckpt: CheckpointDir, group: RankGroup, marker: bytes) -> None:
     outcome: tuple[str, str] = ("ok", "")
     error: BaseException | None = None
     if group.is_coordinator:
-        assert session is not None, "commit() without begin()"
+        assert session is not None, "commit() without an Opening"
         try:
             ckpt.atomic_write(COMMIT_MARKER, marker)
             _write_record_and_install(ckpt, session, group.world)
@@ -438,7 +406,6 @@ __all__ = [
     "Opening",
     "SaveSession",
     "abort",
-    "begin",
     "cleanup",
     "commit",
     "is_protocol_file",

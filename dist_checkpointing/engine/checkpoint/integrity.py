@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ...errors import CheckpointingException, CorruptCheckpointError
 from .. import knobs
-from ..collectives import RankGroup
+from ..collectives import RankGroup, all_equal, equal_ballot
 from ..process import cores_per_rank
 from ..storage.location import CheckpointDir
 from . import commit
@@ -215,18 +215,18 @@ def verify_files_read(
     except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
         error = exc
     # What every rank must share: no error, a manifest, the same names (-1: an error).
-    fingerprint = [-1, -1]
+    stamp = [-1, -1]
     if error is None:
-        fingerprint = [
+        stamp = [
             -2 if manifest is None else len(listed),
             zlib.crc32("\0".join(listed).encode()),
         ]
-    top = group.all_reduce_ints([*fingerprint, *(-v for v in fingerprint)], dist.ReduceOp.MAX)
+    top = group.all_reduce_ints(equal_ballot(stamp), dist.ReduceOp.MAX)
     if error is None:
         try:
             if manifest is None:
                 raise _no_manifest(ckpt)
-            if top[:2] == [-v for v in top[2:]] == fingerprint:
+            if all_equal(top) and top[:2] == stamp:
                 mine = _my_share(listed, mine, group)
             _compare(ckpt, manifest, mine)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by fail_together
