@@ -11,19 +11,18 @@ error, naming the same item, or (checksums off) the same values.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
-from dist_checkpointing.engine.storage import direct_items, reader
+from dist_checkpointing.engine.storage import direct_items
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.support.harness import run_distributed
+from tests.support.item_files import damage_outcomes, load_blocks_whole, load_outcome
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float8_e4m3fn]
 # Same length, other shape (and so another data.pkl): both layouts of a length are kept.
@@ -147,29 +146,13 @@ def test_one_destination_requested_under_two_keys_loads(tmp_path: Path) -> None:
 
 
 def _reshard(root: str, split_dim: int) -> int:
-    """Saved by 2 ranks as row (or column) blocks, loaded by each rank whole: rows are
-    contiguous views of the destination (direct), columns are not (usual path)."""
+    """Row blocks are contiguous views of the destination (direct), columns are not."""
     _small_windows()
-    rank = dist.get_rank()
-    full = {f"w{i}": torch.arange(64 * 48, dtype=torch.float32).view(64, 48) + i for i in range(40)}
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-    sd = {
-        k: ShardedTensor.from_rank_offsets(
-            k, v.chunk(2, split_dim)[rank].clone(), (split_dim, rank, 2)
-        )
-        for k, v in full.items()
-    }
-    dc.save(sd, root, strategy)
     counts = _count_direct(direct_items)
-    for _ in range(2):
-        request = {
-            k: ShardedTensor.from_rank_offsets(k, torch.zeros(64, 48), replica_id=rank)
-            for k in full
-        }
-        loaded = dc.load(request, root)
-        for k, v in full.items():
-            assert torch.equal(loaded[k], v), k
-    return sum(counts)
+    return load_blocks_whole(
+        root, split_dim, 40, lambda sd, path: dc.save(sd, path, strategy), counts
+    )
 
 
 @pytest.mark.parametrize("split_dim", [0, 1], ids=["rows", "columns"])
@@ -182,18 +165,7 @@ def test_resharded_loads_are_bit_exact(tmp_path: Path, split_dim: int) -> None:
 
 
 def _outcome(root: str, count: int, verify: bool) -> str:
-    try:
-        loaded = dc.load(_state(count, zeros=True), root, verify_checksums=verify)
-    except Exception as err:  # noqa: BLE001 - the outcome compared
-        return f"{type(err).__name__}: {err}"
-    return "loaded " + " ".join(
-        str(int(loaded[f"t{i}"].view(torch.uint8).to(torch.int64).sum())) for i in range(count)
-    )
-
-
-def _never(*args: Any) -> Any:
-    """A direct_runs that reads nothing: every item goes the usual way."""
-    return lambda items, i, before: i
+    return load_outcome(_state(count, zeros=True), root, verify)
 
 
 def _damage(root: str, count: int) -> tuple[dict[str, tuple[str, str]], int, int]:
@@ -205,28 +177,10 @@ def _damage(root: str, count: int) -> tuple[dict[str, tuple[str, str]], int, int
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
     dc.save(_state(count, zeros=False), saved, strategy)
     assert _outcome(str(saved), count, True).startswith("loaded")  # layouts now known
-    (name,) = [p.name for p in saved.iterdir() if p.suffix == ".distcp"]
-    size = (saved / name).stat().st_size
-    usual = reader.direct_runs
     counts = _count_direct(direct_items)
-    plain_counts = 0
-    results: dict[str, tuple[str, str]] = {}
-    for k, at in enumerate(range(37, size, size // 23)):
-        copy = Path(root) / f"c{k}"
-        shutil.copytree(saved, copy)
-        data = bytearray((copy / name).read_bytes())
-        data[at] ^= 0x10
-        (copy / name).write_bytes(bytes(data))
-        for verify in (True, False):
-            direct = _outcome(str(copy), count, verify)
-            before = sum(counts)
-            reader.direct_runs = _never
-            try:
-                plain = _outcome(str(copy), count, verify)
-            finally:
-                reader.direct_runs = usual
-            plain_counts += sum(counts) - before
-            results[f"{at} verify={verify}"] = (direct, plain)
+    results, plain_counts = damage_outcomes(
+        saved, Path(root), 23, lambda path, verify: _outcome(path, count, verify), counts
+    )
     return results, sum(counts), plain_counts
 
 

@@ -366,8 +366,12 @@ def test_fast_path_casts_to_the_destination_dtype(
 
 
 def _count_file_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of every ``readinto`` on checkpoint files, from now on (appended to)."""
+    """The sizes of every read of checkpoint files, from now on (appended to): each
+    ``readinto`` of the stream, and each ``os.preadv`` on its descriptor (items of a
+    known layout are read straight into their destinations)."""
     counted: list[int] = []
+    files: set[int] = set()
+    preadv = os.preadv
 
     class Counting(io.FileIO):
         def readinto(self, buf: Any) -> int:  # type: ignore[override]
@@ -375,7 +379,24 @@ def _count_file_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             counted.append(n)
             return n
 
-    monkeypatch.setattr(fs_io.LocalFileSystem, "open_read", lambda self, p: Counting(p, "r"))
+        def close(self) -> None:
+            if not self.closed:
+                files.discard(self.fileno())
+            super().close()
+
+    def counting_preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        n = preadv(fd, buffers, offset, *flags)
+        if fd in files:
+            counted.append(n)
+        return n
+
+    def open_read(self: Any, path: str) -> Counting:
+        stream = Counting(path, "r")
+        files.add(stream.fileno())
+        return stream
+
+    monkeypatch.setattr(fs_io.LocalFileSystem, "open_read", open_read)
+    monkeypatch.setattr(os, "preadv", counting_preadv)
     return counted
 
 

@@ -11,7 +11,6 @@ byte flipped anywhere, fills and commits exactly what the bytes and checksums al
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,7 +20,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dist_checkpointing.engine.storage import item_reader
@@ -30,6 +28,13 @@ from dist_checkpointing.engine.storage.direct_items import read_direct
 from dist_checkpointing.engine.storage.item_checksums import ItemChecksum
 from dist_checkpointing.engine.storage.overlaps import overlapping
 from dist_checkpointing.errors import ChecksumMismatchError
+from tests.support.item_files import (
+    fresh_layouts,  # noqa: F401 - an autouse fixture
+    in_records,
+    item_file,
+    saved_item,
+    whole_request,
+)
 
 _KINDS = [
     (torch.float32, (64,)),
@@ -44,18 +49,6 @@ def _tensor(kind: int, seed: int) -> torch.Tensor:
     dtype, shape = _KINDS[kind]
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 200, shape, generator=g).to(dtype)
-
-
-def _saved(t: torch.Tensor) -> bytes:
-    buf = io.BytesIO()
-    torch.save(t, buf)
-    return buf.getvalue()
-
-
-def _read_item(key: str, shape: tuple[int, ...]) -> ReadItem:
-    zeros = torch.Size([0] * len(shape))
-    index = MetadataIndex(key, zeros)
-    return ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, torch.Size(shape))
 
 
 @settings(
@@ -74,23 +67,11 @@ def test_read_direct_fills_what_the_bytes_allow(
 ) -> None:
     item_reader._KNOWN.clear()
     tensors = [_tensor(k, i) for i, k in enumerate(kinds)]
-    blobs = [_saved(t) for t in tensors]
-    for blob in blobs:  # the layouts are known, as after a first window
-        assert item_reader._match_template(lambda o, n, b=blob: b[o : o + n], len(blob))
-    content = bytearray()
-    spans = []
-    for blob, gap in zip(blobs, gaps):
-        content += bytes(gap)
-        spans.append((len(content), len(blob)))
-        content += blob
-    flipped = None if flip is None else int(flip * len(content))
-    if flipped is not None:
-        content[flipped] ^= 0x20
-    path = tmp_path / "data.distcp"
-    path.write_bytes(bytes(content))
+    # The layouts are known, as after a first window.
+    path, content, spans, blobs, flipped = item_file(tmp_path / "data.distcp", tensors, gaps, flip)
     targets = {f"k{i}": torch.zeros_like(t) for i, t in enumerate(tensors)}
     items = [
-        (_read_item(f"k{i}", tuple(t.shape)), SimpleNamespace(offset=o, length=n))
+        (whole_request(f"k{i}", tuple(t.shape)), SimpleNamespace(offset=o, length=n))
         for i, (t, (o, n)) in enumerate(zip(tensors, spans))
     ]
     recorded = {o: ItemChecksum(o, n, [crc32c.crc32c(b)]) for (o, n), b in zip(spans, blobs)}
@@ -149,23 +130,9 @@ def _layout(length: int, tensor: torch.Tensor) -> item_reader.KnownLayout:
 
 
 def _in_records(span: tuple[int, int], at: int, tensor: torch.Tensor) -> bool:
-    """Whether byte ``at`` of the file is a byte of the item at ``span`` that every item of
-    its layout has: its records before the tensor bytes, or after them except the crcs
-    and serialization id."""
+    """Whether byte ``at`` of the file is one of the records of the item at ``span``."""
     offset, length = span
-    layout = _layout(length, tensor)
-    rel = at - offset
-    if rel < len(layout.head):
-        return True
-    rel -= length - layout.tail_length
-    return any(start <= rel < stop for start, stop, _ in layout.tail_segments)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_layouts() -> Any:
-    item_reader._KNOWN.clear()
-    yield
-    item_reader._KNOWN.clear()
+    return in_records(_layout(length, tensor), length, at - offset)
 
 
 @pytest.mark.parametrize("change", ["dtype", "shape", "strided", "region"])
@@ -175,16 +142,16 @@ def test_a_destination_that_does_not_take_the_bytes_as_they_are_stops_the_run(
     """Another dtype of the same size, another shape of the same size, a strided view,
     a region of the stored tensor: the usual path handles those (it converts or stages)."""
     stored = _tensor(0, 1)  # float32 (64,)
-    blob = _saved(stored)
+    blob = saved_item(stored)
     assert item_reader._match_template(lambda o, n: blob[o : o + n], len(blob))
     path = tmp_path / "data.distcp"
     path.write_bytes(blob)
     target = torch.zeros(64)
-    read_item = _read_item("k0", (64,))
+    read_item = whole_request("k0", (64,))
     if change == "dtype":
         target = torch.zeros(64, dtype=torch.int32)
     elif change == "shape":
-        target, read_item = torch.zeros(8, 8), _read_item("k0", (8, 8))
+        target, read_item = torch.zeros(8, 8), whole_request("k0", (8, 8))
     elif change == "strided":
         target = torch.zeros(64, 2)[:, 0]
     else:
@@ -217,7 +184,7 @@ def test_a_destination_taken_twice_ends_the_run(tmp_path: Path) -> None:
     would change the bytes the first item's checksum is computed on, so the run stops
     before it (the usual path reads it: no false checksum error)."""
     first, second = _tensor(0, 1), _tensor(0, 2)
-    blobs = [_saved(first), _saved(second)]
+    blobs = [saved_item(first), saved_item(second)]
     for blob in blobs:
         assert item_reader._match_template(lambda o, n, b=blob: b[o : o + n], len(blob))
     path = tmp_path / "data.distcp"
@@ -226,7 +193,7 @@ def test_a_destination_taken_twice_ends_the_run(tmp_path: Path) -> None:
     spans = [(0, len(blobs[0])), (len(blobs[0]), len(blobs[1]))]
     recorded = {o: ItemChecksum(o, n, [crc32c.crc32c(b)]) for (o, n), b in zip(spans, blobs)}
     items = [
-        (_read_item(f"k{i}", (64,)), SimpleNamespace(offset=o, length=n))
+        (whole_request(f"k{i}", (64,)), SimpleNamespace(offset=o, length=n))
         for i, (o, n) in enumerate(spans)
     ]
     committed: list[str] = []

@@ -103,16 +103,17 @@ class DataFile:
         while done < len(buf):
             n = self.stream.readinto(buf[done:])
             if not n:
-                raise self._short_read(offset + done, read_item)
+                raise self.short_read(offset + done, read_item)
             done += n
 
     def pread_into(self, offset: int, buf: memoryview, read_item: ReadItem) -> None:
         """:meth:`readinto` at ``offset`` without the stream's position (a local file:
         :attr:`fd` is set), so that several threads read the file at once."""
         assert self.fd is not None
-        vectored_all(os.preadv, self.fd, [buf], offset, lambda at: self._short_read(at, read_item))
+        vectored_all(os.preadv, self.fd, [buf], offset, lambda at: self.short_read(at, read_item))
 
-    def _short_read(self, at: int, read_item: ReadItem) -> CorruptCheckpointError:
+    def short_read(self, at: int, read_item: ReadItem) -> CorruptCheckpointError:
+        """The error for a read of ``read_item`` that found the file's end at ``at``."""
         return CorruptCheckpointError(
             f"{self.path}: short read at byte {at} while reading item "
             f"{read_item.storage_index.fqn!r} (the file may have been truncated)"
@@ -149,6 +150,12 @@ _PART_UNIT = 1 << 20
 # BlockVerifier.add; None where it starts inside a block) and the CRCs of blocks it
 # completed with the item's edges, by block index.
 _PieceChecks = tuple[list[int] | None, dict[int, int]]
+
+
+def part_count(n: int, part_bytes: int) -> int:
+    """Into how many parts a read of ``n`` bytes is cut, for threads that each read about
+    ``part_bytes`` (0: never cut); under 2: read in one go."""
+    return (n + part_bytes // 2) // part_bytes if part_bytes > 0 else 0
 
 
 def _piece_checks(
@@ -330,7 +337,7 @@ class ItemBytes:
         side by side, as ``(start, stop)`` item offsets; None: read it in one go (no
         :attr:`part_bytes`, a stream without a descriptor, or too short to share). Parts
         start at checksum block boundaries, so that no block is shared by two threads."""
-        count = (n + self.part_bytes // 2) // self.part_bytes if self.part_bytes > 0 else 0
+        count = part_count(n, self.part_bytes)
         if count < 2 or self.file.fd is None:
             return None
         unit = self.verifier.block_bytes if self.verifier is not None else _PART_UNIT
@@ -404,4 +411,4 @@ class ItemBytes:
         )
 
 
-__all__ = ["DataFile", "ItemBytes", "mismatch_error"]
+__all__ = ["DataFile", "ItemBytes", "mismatch_error", "part_count"]

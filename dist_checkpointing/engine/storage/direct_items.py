@@ -31,8 +31,9 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ...errors import CorruptCheckpointError
-from .byte_ranges import DataFile, mismatch_error
-from .checksums import crc
+from .byte_ranges import DataFile, mismatch_error, part_count
+from .checksums import crc, hashing_thread
+from .direct_large import LargeCheck, fits, read_large
 from .item_checksums import ItemChecksum
 from .item_reader import KnownLayout, known_layouts
 from .overlaps import overlapping
@@ -95,16 +96,32 @@ def read_direct(
     return i + len(run)
 
 
+# ``run(items, i, before, hand_over)``: see :func:`direct_runs`.
+DirectRun = Callable[
+    [Sequence[tuple[ReadItem, Any]], int, Callable[[], None], Callable[[LargeCheck], None]], int
+]
+
+
 def direct_runs(
     file: DataFile,
     planner: LoadPlanner,
     lock: AbstractContextManager[Any],
     checksums: Callable[[int], ItemChecksum | None] | None,
-) -> Callable[[Sequence[tuple[ReadItem, Any]], int, Callable[[], None]], int]:
+    block_bytes: int = 0,
+    part_bytes: int = 0,
+) -> DirectRun:
     """:func:`read_direct` for the items of ``file`` (a local file: :attr:`DataFile.fd`
     is set), into ``planner``'s destinations (resolved and committed under ``lock``);
-    ``checksums(offset)`` is the file's item checksum lookup (None: not verified).
-    Called as ``run(items, i, before)``."""
+    ``checksums(offset)`` is the file's item checksum lookup (None: not verified), in
+    blocks of ``block_bytes``. Called as ``run(items, i, before, hand_over)``: where no
+    run of small items starts at ``items[i]``, a large item of a known layout is read by
+    :func:`.direct_large.read_large` (unless the reader cuts reads of its size into
+    parts for several threads: :func:`.byte_ranges.part_count` of ``part_bytes``), and
+    its pending check handed to ``hand_over`` (which verifies the item before it first).
+    """
+    hasher = hashing_thread(file.readers) if checksums is not None else None
+    small = file.limits[0]
+    pending: list[LargeCheck] = []  # the last large item's check (its hashes may be running)
 
     def checksum_of(offset: int, length: int) -> ItemChecksum | None | bool:
         if checksums is None:
@@ -122,8 +139,42 @@ def direct_runs(
         with lock:
             planner.commit_tensor(read_item, target)
 
-    def run(items: Sequence[tuple[ReadItem, Any]], i: int, before: Callable[[], None]) -> int:
-        return read_direct(file, items, i, resolve, checksum_of, commit, before)
+    def large(read_item: ReadItem, offset: int, length: int, before: Callable[[], None]) -> bool:
+        if read_item.type != LoadItemType.TENSOR or length <= small:
+            return False
+        layouts = known_layouts(length)
+        if not layouts or part_count(length, part_bytes) >= 2:
+            return False
+        target = resolve(read_item)
+        if target.requires_grad:
+            target = target.detach()
+        layout = next((k for k in layouts if fits(read_item, k, target)), None)
+        checksum = checksum_of(offset, length)
+        if layout is None or checksum is False:
+            return False
+        assert checksum is None or isinstance(checksum, ItemChecksum)
+        if pending and pending.pop().overlaps(target):
+            before()  # one memory under two keys: its hashes must not see these bytes
+        check = read_large(
+            file, read_item, offset, length, target, layout, checksum, block_bytes, hasher
+        )
+        if check is None:
+            return False
+        commit(read_item, target)
+        pending.append(check)
+        return True
+
+    def run(
+        items: Sequence[tuple[ReadItem, Any]],
+        i: int,
+        before: Callable[[], None],
+        hand_over: Callable[[LargeCheck], None],
+    ) -> int:
+        j = read_direct(file, items, i, resolve, checksum_of, commit, before)
+        if j > i or not large(items[i][0], items[i][1].offset, items[i][1].length, before):
+            return j
+        hand_over(pending[-1])
+        return i + 1
 
     return run
 
@@ -170,7 +221,7 @@ def _plan_run(
         target = resolve(read_item)
         if target.requires_grad:
             target = target.detach()
-        layout = next((k for k in layouts if _fits(read_item, k, target)), None)
+        layout = next((k for k in layouts if fits(read_item, k, target)), None)
         if layout is None:
             break
         checksum = checksum_of(offset, length)
@@ -193,21 +244,6 @@ def _plan_run(
     # is computed on.
     shared = overlapping(starts, lengths)
     return run[: shared[0]] if shared else run
-
-
-def _fits(read_item: ReadItem, layout: KnownLayout, target: torch.Tensor) -> bool:
-    """Whether ``read_item`` asks for the whole stored tensor of ``layout`` (which starts
-    its storage) and ``target`` takes its bytes as they are."""
-    record = layout.record
-    return (
-        record.storage_offset == 0
-        and tuple(read_item.lengths) == record.shape
-        and not any(read_item.storage_offsets)
-        and target.is_cpu
-        and target.dtype == record.dtype
-        and target.is_contiguous()
-        and target.nbytes == record.data_length
-    )
 
 
 def _read_run(file: DataFile, run: list[_Direct]) -> None:
@@ -245,4 +281,4 @@ def _verify(file: DataFile, item: _Direct) -> None:
         )
 
 
-__all__ = ["direct_runs", "read_direct", "window_after_miss"]
+__all__ = ["DirectRun", "direct_runs", "read_direct", "window_after_miss"]

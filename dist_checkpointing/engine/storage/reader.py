@@ -39,6 +39,7 @@ from . import region_copy
 from .byte_ranges import DataFile, ItemBytes
 from .checksums import BlockVerifier
 from .direct_items import direct_runs, window_after_miss
+from .direct_large import LargeCheck
 from .item_reader import parse_tensor_item
 from .item_template import NotFastPath
 from .location import CheckpointDir
@@ -334,13 +335,14 @@ class FileSystemReader(StorageReader):
             # An item whose parse fails (damaged bytes in its zip framing or pickle) is
             # verified before that error is raised: a checksum mismatch is the cause.
             defer = not self.fs.sequential_reads
-            previous: ItemBytes | None = None
+            previous: ItemBytes | LargeCheck | None = None
             current: ItemBytes | None = None
             direct = None  # items whose layout is known: read without a window
             if file.fd is not None and self.fast_path and not self.fs.sequential_reads:
                 lookup = self.location.context.item_checksum
                 of_file = None if lookup is None else functools.partial(lookup, relative_path)
-                direct = direct_runs(file, planner, lock, of_file)
+                block_bytes = self.location.context.block_bytes
+                direct = direct_runs(file, planner, lock, of_file, block_bytes, self._part_bytes)
 
             def verify_previous() -> None:
                 nonlocal previous
@@ -348,12 +350,20 @@ class FileSystemReader(StorageReader):
                     done, previous = previous, None
                     done.verify()
 
+            def hand_over(check: LargeCheck) -> None:  # a large item read directly
+                nonlocal previous
+                verify_previous()
+                if defer:
+                    previous = check
+                else:
+                    check.verify()
+
             i = 0
             try:
                 while i < len(items):
                     most = None
                     if direct is not None:
-                        j = direct(items, i, verify_previous)
+                        j = direct(items, i, verify_previous, hand_over)
                         if j > i:
                             i = j
                             continue
