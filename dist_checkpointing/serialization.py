@@ -21,6 +21,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ._accounting import OpAccount, tensor_bytes
+from ._load_steps import (
+    OpenedLoad,
+    check_files_read,
+    check_sharding,
+    keys_of,
+    metadata_files,
+    open_load,
+    verdict_in_sharding_check,
+)
 from ._save_steps import (
     finalize_save,
     open_for_save,
@@ -28,26 +37,22 @@ from ._save_steps import (
     save_opening,
     write_sharded,
 )
-from ._torch_compat import METADATA_FILE_NAME
-from .core import CONFIG_FNAME
-from .dict_utils import merge, nested_values
-from .engine.checkpoint import commit, integrity, preload
+from .dict_utils import merge
+from .engine.checkpoint import commit, integrity
 from .engine.collectives import ProcessGroup, RankGroup
 from .engine.process import gc_paused
 from .engine.sharding_split import keys_nobody_requested, validate_sharding_split
 from .engine.storage.location import CheckpointDir
-from .engine.storage.metadata_index import INDEX_NAME as METADATA_INDEX_NAME
 from .errors import (
     CheckpointingException,
 )
 from .mapping import (
     CommonStateDict,
-    ShardedObject,
     ShardedStateDict,
     StateDict,
     apply_factory_merges,
 )
-from .state_dict_utils import load_preprocess, save_preprocess
+from .state_dict_utils import save_preprocess
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
     LoadCommonStrategy,
@@ -56,16 +61,13 @@ from .strategies.base import (
     SaveShardedStrategy,
     StrategyAction,
     allow_types,
-    bind_process_group,
     expect_strategy,
     get_default_strategy,
 )
-from .strategies.common import COMMON_STATE_FNAME
 from .validation import (
     CkptShardedMetadata,
     StrictHandling,
     local_shard_records,
-    parse_strict_flag,
     validate_integrity_and_strict_load,
     verify_checkpoint_and_load_strategy,
 )
@@ -73,10 +75,6 @@ from .validation import (
 logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
-
-# The whole files a load reads first, fetched by one rank for all where that saves
-# requests (object stores; see engine.checkpoint.preload).
-_SMALL_FILES = (CONFIG_FNAME, METADATA_FILE_NAME, METADATA_INDEX_NAME, COMMON_STATE_FNAME)
 
 __all__ = [
     "save",
@@ -311,7 +309,43 @@ def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: s
     strategy, _ = verify_checkpoint_and_load_strategy(ckpt)
     strategy.remove_sharded_tensors(ckpt, key_prefix)
     # The manifest covers .metadata, which was rewritten, and the deleted data files.
-    integrity.refresh_manifest(ckpt, _metadata_files(ckpt, strategy))
+    integrity.refresh_manifest(ckpt, metadata_files(ckpt, strategy))
+
+
+def _validate_load(
+    ckpt: CheckpointDir,
+    opened: OpenedLoad | None,
+    error: BaseException | None,
+    strict: StrictHandling | str,
+    validate_access_integrity: bool,
+    verify_integrity: bool,
+    group: RankGroup,
+) -> tuple[OpenedLoad, set[str], set[str]]:
+    """(Collective) The load's first verdict (``error``: this rank failed to open it),
+    in the sharding check's first all-reduce where the mode allows, then the request's
+    checks per ``strict``: ``opened`` with the request to read, and the missing and
+    unexpected keys."""
+    folded = verdict_in_sharding_check(strict, validate_access_integrity)
+    if folded:
+        request = {} if opened is None else opened.request
+        check_sharding(request, error, group, f"Loading {ckpt}")
+    else:
+        group.fail_together(error, f"Loading {ckpt}")
+    assert opened is not None  # else raised above
+    missing: set[str] = set()
+    unexpected: set[str] = set()
+    if not folded:
+        opened.request, missing, unexpected = _check_request(
+            ckpt,
+            opened.request,
+            opened.strict,
+            validate_access_integrity,
+            opened.strategies,
+            group.group,
+        )
+    if verify_integrity:
+        check_files_read(ckpt, opened.strategies, opened.request, group.group)
+    return opened, missing, unexpected
 
 
 def _check_request(
@@ -348,48 +382,6 @@ def _check_request(
     return checked
 
 
-def _keys_of(request: ShardedStateDict) -> set[str]:
-    return {
-        sh.unique_key if isinstance(sh, ShardedObject) else sh.key for sh in nested_values(request)
-    }
-
-
-def _verify_files_read(
-    ckpt: CheckpointDir,
-    strategies: tuple[LoadShardedStrategy, LoadCommonStrategy],
-    request: ShardedStateDict,
-    process_group: ProcessGroup,
-) -> None:
-    """(Collective) Check the data files the ranks read against the checkpoint's
-    integrity manifest, each digested by one of its readers: a damaged file raises on
-    every rank, not only on its reader."""
-    sharded, _ = strategies  # .metadata and common.pt were checked before unpickling
-    integrity.verify_files_read(
-        ckpt, lambda: sharded.files_holding(ckpt, _keys_of(request)), RankGroup(process_group)
-    )
-
-
-def _metadata_files(ckpt: CheckpointDir, sharded: LoadShardedStrategy) -> list[str]:
-    """The format metadata files the checkpoint has (covered by its manifest)."""
-    return [name for name in sharded.metadata_files if ckpt.has(name)]
-
-
-def _open_for_load(
-    ckpt: CheckpointDir,
-    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None,
-    common_strategy: LoadCommonStrategy | tuple[str, int] | None,
-    verify_checksums: bool | None,
-    process_group: ProcessGroup,
-) -> tuple[LoadShardedStrategy, LoadCommonStrategy]:
-    """(Collective) Preload the small files where that saves requests, check that the
-    checkpoint is complete and pick its load strategies."""
-    if preload.wanted(ckpt):
-        preload.preload_small_files(ckpt, RankGroup(process_group), _SMALL_FILES)
-    return verify_checkpoint_and_load_strategy(
-        ckpt, sharded_strategy, common_strategy, verify_checksums=verify_checksums
-    )
-
-
 @_gc_paused_call
 def load(
     sharded_state_dict: ShardedStateDict,
@@ -406,14 +398,12 @@ def load(
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load the checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
-    Steps:
-        1. pick the strategies from the checkpoint's ``metadata.json``;
-        2. load the common state (it forms the base of the result);
-        3. apply factories; LocalNonpersistentObjects are returned unwrapped;
-        4. compare the request with the checkpoint per ``strict`` and validate
-           that main replicas cover every requested tensor exactly once;
-        5. read the shards (each rank reads only the bytes it needs) and merge
-           them and the factories' results into the common state.
+    Steps: 1. pick the strategies from the checkpoint's ``metadata.json``; 2. load
+    the common state (the base of the result); 3. apply factories (non-persistent
+    objects are returned unwrapped); 4. compare the request with the checkpoint per
+    ``strict``, check that main replicas cover every requested tensor exactly once;
+    5. read the shards (only the bytes each rank needs), merge them and the
+    factories' results into the common state.
 
     Args:
         sharded_state_dict: the request: ShardedTensors (with or without data),
@@ -439,35 +429,37 @@ def load(
         missing and unexpected keys.
     """
     ckpt = CheckpointDir.of(checkpoint_dir)
-    account = OpAccount(logger, "load", ckpt, RankGroup(process_group).rank)
+    group = RankGroup(process_group)
+    account = OpAccount(logger, "load", ckpt, group.rank)
+    opened: OpenedLoad | None = None
     error: BaseException | None = None
     try:
-        sharded, common = _open_for_load(
-            ckpt, sharded_strategy, common_strategy, verify_checksums, process_group
+        opened = open_load(
+            ckpt,
+            sharded_state_dict,
+            (sharded_strategy, common_strategy),
+            strict,
+            account,
+            verify_checksums=verify_checksums,
+            verify_integrity=verify_integrity,
+            allowed_types=allowed_types,
+            process_group=process_group,
         )
-        sharded, common = allow_types(sharded, allowed_types), allow_types(common, allowed_types)
-        strategies = (bind_process_group(sharded, process_group), common)
-        if verify_integrity:  # what is unpickled first is checked before it is
-            integrity.verify_files(ckpt, _metadata_files(ckpt, sharded) + common.files(ckpt))
-        with account.phase("common"):
-            common_state_dict = common.load_common(ckpt)
-        request, nonpersistent, factories = load_preprocess(sharded_state_dict)
-        strict_mode = parse_strict_flag(strict)
     except Exception as exc:  # noqa: BLE001 - one verdict: raised on every rank below
         error = exc
-    RankGroup(process_group).fail_together(error, f"Loading {ckpt}")
     with account.phase("validate"):
-        request, missing, unexpected = _check_request(
-            ckpt, request, strict_mode, validate_access_integrity, strategies, process_group
+        opened, missing, unexpected = _validate_load(
+            ckpt, opened, error, strict, validate_access_integrity, verify_integrity, group
         )
-        if verify_integrity:
-            _verify_files_read(ckpt, strategies, request, process_group)
+    request, strategies = opened.request, opened.strategies
     with account.phase("plan+read"):
         loaded = strategies[0].load(request, ckpt)
-    account.report(lambda: (tensor_bytes(loaded), sharded.files_holding(ckpt, _keys_of(request))))
-    merge(common_state_dict, loaded)
-    merge(common_state_dict, nonpersistent)
-    result: StateDict = apply_factory_merges(common_state_dict, factories)
-    if StrictHandling.requires_returning_mismatch_keys(strict_mode):
+    account.report(
+        lambda: (tensor_bytes(loaded), strategies[0].files_holding(ckpt, keys_of(request)))
+    )
+    merge(opened.common_state_dict, loaded)
+    merge(opened.common_state_dict, opened.nonpersistent)
+    result: StateDict = apply_factory_merges(opened.common_state_dict, opened.factories)
+    if StrictHandling.requires_returning_mismatch_keys(opened.strict):
         return result, missing, unexpected
     return result

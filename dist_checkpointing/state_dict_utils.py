@@ -105,16 +105,22 @@ def _leaf_kinds(state_dict: ShardedStateDict, saving: bool = False) -> _LeafKind
     return kinds
 
 
+def check_is_dict(sharded_state_dict: Any) -> None:
+    """Raise ``TypeError`` unless ``sharded_state_dict`` is a dict (what ``save`` and
+    ``load`` take: the loaded state is merged into the common state, a dict)."""
+    if not isinstance(sharded_state_dict, dict):
+        raise TypeError(
+            f"a sharded state dict must be a dict, got {type(sharded_state_dict).__name__}"
+        )
+
+
 def split_for_save(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[ShardedStateDict, StateDict]:
     """The local steps of :func:`save_preprocess` (no communication): apply factories,
     drop LocalNonpersistentObjects and empty flat ranges, split the ShardedBase leaves
     (the sharded part) from the rest (the common part)."""
-    if not isinstance(sharded_state_dict, dict):
-        raise TypeError(
-            f"a sharded state dict must be a dict, got {type(sharded_state_dict).__name__}"
-        )
+    check_is_dict(sharded_state_dict)
     # Each step is a pass that copies the containers: one cheap pass first finds which
     # are needed (a factory may build anything, so with one every step runs).
     kinds = _leaf_kinds(sharded_state_dict, saving=True)
@@ -238,6 +244,7 @@ def load_preprocess(
 
 
 __all__ = [
+    "check_is_dict",
     "filter_out_empty_flatten_tensor",
     "load_preprocess",
     "save_preprocess",

@@ -180,6 +180,7 @@ def validate_sharding_split(
     local_error: BaseException | None = None,
     *,
     ballot: Sequence[int] = (),
+    what: str = "grouping shard records",
 ) -> list[int]:
     """Check the sharding of every rank's ``records``, each key on its owner rank
     (collective over ``group``; every rank raises the same :class:`ShardingError`).
@@ -189,7 +190,8 @@ def validate_sharding_split(
     ``local_error``: this rank failed before the check (its records are not to be
     used): raised on every rank in the check's first all-reduce. ``ballot``: ints of
     the caller's own (every rank passes as many), taken by that all-reduce: returned,
-    each the largest any rank passed.
+    each the largest any rank passed. ``what``: the operation a rank failure is reported
+    for (:meth:`.RankGroup.fail_together`), where ``local_error`` is the caller's.
     """
     digest: int | None = None
     if local_error is not None and not group.distributed:
@@ -214,7 +216,7 @@ def validate_sharding_split(
     except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
         error = e
     any_changed, *agreed = group.fail_together(
-        error, "grouping shard records", [int(changed), *ballot], dist.ReduceOp.MAX
+        error, what, [int(changed), *ballot], dist.ReduceOp.MAX
     )
     if any_changed == 0:
         return agreed
