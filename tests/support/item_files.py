@@ -29,11 +29,19 @@ def saved_item(t: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def whole_request(key: str, shape: Sequence[int]) -> ReadItem:
-    """The read of the whole stored tensor ``key`` of ``shape``."""
+def region_request(
+    key: str, shape: Sequence[int], at: Sequence[int], lengths: Sequence[int]
+) -> ReadItem:
+    """The read of the region of the stored tensor ``key`` (of ``shape``, one chunk)
+    that starts at ``at`` and spans ``lengths``, into a destination of its own."""
     zeros = torch.Size([0] * len(shape))
     index = MetadataIndex(key, zeros)
-    return ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, torch.Size(shape))
+    return ReadItem(LoadItemType.TENSOR, index, zeros, index, torch.Size(at), torch.Size(lengths))
+
+
+def whole_request(key: str, shape: Sequence[int]) -> ReadItem:
+    """The read of the whole stored tensor ``key`` of ``shape``."""
+    return region_request(key, shape, [0] * len(shape), shape)
 
 
 class ItemFile(NamedTuple):

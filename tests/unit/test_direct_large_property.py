@@ -27,15 +27,21 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from dist_checkpointing.engine.storage import direct_large, item_reader
 from dist_checkpointing.engine.storage.byte_ranges import DataFile
-from dist_checkpointing.engine.storage.checksums import block_crcs
+from dist_checkpointing.engine.storage.checksums import block_crcs, whole_blocks
 from dist_checkpointing.engine.storage.direct_items import direct_runs
-from dist_checkpointing.engine.storage.direct_large import fits, read_large
+from dist_checkpointing.engine.storage.direct_large import (
+    choose_layout,
+    fits,
+    read_large,
+    region_of,
+)
 from dist_checkpointing.engine.storage.item_checksums import ItemChecksum
 from dist_checkpointing.errors import ChecksumMismatchError, CorruptCheckpointError
 from tests.support.item_files import (
     fresh_layouts,  # noqa: F401 - an autouse fixture
     in_records,
     item_file,
+    region_request,
     saved_item,
     whole_request,
 )
@@ -59,6 +65,11 @@ def _tensor(kind: int, seed: int) -> torch.Tensor:
 def _layout(length: int, tensor: torch.Tensor, read_item: ReadItem) -> item_reader.KnownLayout:
     (layout,) = [k for k in item_reader.known_layouts(length) if fits(read_item, k, tensor)]
     return layout
+
+
+def _whole(layout: item_reader.KnownLayout) -> tuple[int, int]:
+    """The region of all the tensor bytes of an item of ``layout``."""
+    return len(layout.head), layout.record.data_length
 
 
 @settings(
@@ -108,10 +119,9 @@ def test_read_large_finds_exactly_the_damage_there_is(
                 check = read_large(
                     file,
                     read_item,
-                    offset,
-                    length,
+                    (offset, length),
                     target,
-                    layout,
+                    (layout, _whole(layout)),
                     checksum if verify else None,
                     block_bytes,
                     _HASHER if threaded else None,
@@ -153,13 +163,13 @@ def test_a_file_that_ends_early_names_the_item(tmp_path: Path) -> None:
         with path.open("rb") as stream:
             file = DataFile(stream, str(path), len(blob), (0, 0, 0))
             with pytest.raises(CorruptCheckpointError, match=r"short read at byte .*'k0'"):
+                layout = _layout(len(blob), target, read_item)
                 read_large(
                     file,
                     read_item,
-                    0,
-                    len(blob),
+                    (0, len(blob)),
                     target,
-                    _layout(len(blob), target, read_item),
+                    (layout, _whole(layout)),
                     recorded,
                     4096,
                     None,
@@ -215,3 +225,156 @@ def test_one_destination_under_two_keys_is_hashed_before_it_is_overwritten(
         assert run(items, 1, before, hand_over) == 2
     before()
     assert len(done) == 2 and torch.equal(shared, second)
+
+
+# ----------------------------------------------------------------- a region of an item
+
+_REGION_KINDS = [
+    (torch.float32, (40, 30)),
+    (torch.bfloat16, (64, 50)),
+    (torch.int64, (3000,)),
+    (torch.uint8, (7, 11, 13)),
+]
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    kind=st.integers(0, len(_REGION_KINDS) - 1),
+    cut=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    gap=st.integers(0, 5000),
+    flip=st.one_of(st.none(), st.floats(0, 1, exclude_max=True)),
+    verify=st.booleans(),
+    block_bytes=st.sampled_from([4096, 8192, 1 << 20]),
+    piece_blocks=st.integers(1, 3),
+    threaded=st.booleans(),
+)
+def test_a_region_read_finds_the_damage_in_what_it_reads(
+    tmp_path: Path,
+    kind: int,
+    cut: tuple[float, float],
+    gap: int,
+    flip: float | None,
+    verify: bool,
+    block_bytes: int,
+    piece_blocks: int,
+    threaded: bool,
+) -> None:
+    """A range of the rows (of the first axis; for a 3-D tensor, of the second axis at
+    one index of the first): read with the rest of the checksum blocks it touches and
+    the records before the tensor bytes. Damage to those records: not taken; in a block
+    read, with checksums: named; anywhere else: the region loads as stored."""
+    item_reader._KNOWN.clear()
+    dtype, shape = _REGION_KINDS[kind]
+    t = torch.randint(0, 200, shape, generator=torch.Generator().manual_seed(kind)).to(dtype)
+    path, content, spans, blobs, flipped = item_file(tmp_path / "data.distcp", [t], [gap], flip)
+    (offset, length), blob = spans[0], blobs[0]
+    axis = 1 if len(shape) == 3 else 0
+    n = shape[axis]
+    a = min(int(cut[0] * n), n - 1)
+    b = a + 1 + int(cut[1] * (n - 1 - a))
+    at = [0] * len(shape)
+    lengths = list(shape)
+    if axis == 1:
+        at[0], lengths[0] = 2, 1
+    at[axis], lengths[axis] = a, b - a
+    read_item = region_request("k0", shape, tuple(at), tuple(lengths))
+    target = torch.zeros(lengths, dtype=dtype)
+    layout = _layout(length, t, whole_request("k0", shape))
+    region = region_of(read_item, layout, target)
+    assert region is not None
+    start, nbytes = region
+    expected = t[tuple(slice(o, o + n) for o, n in zip(at, lengths))]
+    saved_pieces = direct_large._CACHE_PIECE, direct_large._THREAD_PIECE
+    direct_large._CACHE_PIECE = direct_large._THREAD_PIECE = piece_blocks * block_bytes
+    checksum = ItemChecksum(offset, length, block_crcs(blob, block_bytes))
+    try:
+        with path.open("rb") as stream:
+            file = DataFile(stream, str(path), len(content), (0, 0, 0))
+            chosen = choose_layout(file, read_item, (offset, length), target, [layout])
+            check = None
+            if chosen is not None:
+                assert chosen == (layout, region)
+                check = read_large(
+                    file,
+                    read_item,
+                    (offset, length),
+                    target,
+                    chosen,
+                    checksum if verify else None,
+                    block_bytes,
+                    _HASHER if threaded else None,
+                )
+    finally:
+        direct_large._CACHE_PIECE, direct_large._THREAD_PIECE = saved_pieces
+    rel = None if flipped is None else flipped - offset
+    whole = start == len(layout.head) and start + nbytes + layout.tail_length == length
+    if verify or whole:
+        lo, hi = (0, length) if whole else whole_blocks(start, start + nbytes, block_bytes, length)
+    else:
+        lo, hi = start, start + nbytes
+    if rel is not None and 0 <= rel < len(layout.head):
+        assert check is None
+        return
+    if rel is not None and whole and in_records(layout, length, rel):
+        assert check is None
+        return
+    assert check is not None
+    got = target.view(torch.uint8).flatten().numpy().tobytes()
+    assert got == bytes(content[offset + start : offset + start + nbytes])
+    if verify and rel is not None and lo <= rel < hi:
+        with pytest.raises(ChecksumMismatchError) as err:
+            check.verify()
+        assert err.value.key == "k0" and err.value.file == str(path)
+        assert err.value.offset == offset + rel // block_bytes * block_bytes
+        return
+    check.verify()
+    if rel is None or not start <= rel < start + nbytes:
+        assert torch.equal(target.view(torch.uint8), expected.contiguous().view(torch.uint8))
+
+
+def test_a_strided_region_is_left_to_the_usual_path() -> None:
+    t = torch.zeros(40, 30)
+    blob = saved_item(t)
+    assert item_reader._match_template(lambda o, n: blob[o : o + n], len(blob))
+    layout = _layout(len(blob), t, whole_request("k0", (40, 30)))
+    columns = region_request("k0", (40, 30), (0, 5), (40, 10))
+    assert region_of(columns, layout, torch.zeros(40, 10)) is None
+    rows = region_request("k0", (40, 30), (5, 0), (10, 30))
+    assert region_of(rows, layout, torch.zeros(10, 30)) == (len(layout.head) + 5 * 30 * 4, 1200)
+    assert region_of(rows, layout, torch.zeros(10, 30, dtype=torch.int32)) is None
+    assert region_of(rows, layout, torch.zeros(30, 10)) is None
+
+
+def test_the_records_tell_apart_layouts_of_one_length(tmp_path: Path) -> None:
+    """Flat tensors of 5,001 and of a few bytes fewer make items of one length (the zip
+    records pad the difference): a range of either is read with its own layout, chosen
+    by the records before the tensor bytes; a damaged record there chooses none."""
+    first = torch.arange(5001, dtype=torch.int32).to(torch.uint8)
+    length = len(saved_item(first))
+    second = next(
+        t
+        for n in range(5000, 4900, -1)
+        if len(saved_item(t := torch.arange(n, dtype=torch.int32).to(torch.uint8) + 1)) == length
+    )
+    path, content, spans, _, _ = item_file(tmp_path / "data.distcp", [first, second], [0, 0], None)
+    layouts = item_reader.known_layouts(length)
+    assert len(layouts) == 2
+    for i, t in enumerate((first, second)):
+        read_item = region_request(f"k{i}", tuple(t.shape), (10,), (4000,))
+        target = torch.zeros(4000, dtype=torch.uint8)
+        with path.open("rb") as stream:
+            file = DataFile(stream, str(path), len(content), (0, 0, 0))
+            chosen = choose_layout(file, read_item, spans[i], target, layouts)
+            assert chosen is not None and chosen[0].record.shape == tuple(t.shape)
+            check = read_large(file, read_item, spans[i], target, chosen, None, 0, None)
+        assert check is not None and torch.equal(target, t[10:4010])
+    damaged = bytearray(content)
+    damaged[spans[1][0] + 40] ^= 0x01  # a byte of the zip header before the tensor bytes
+    path.write_bytes(bytes(damaged))
+    with path.open("rb") as stream:
+        file = DataFile(stream, str(path), len(damaged), (0, 0, 0))
+        read_item = region_request("k1", tuple(second.shape), (10,), (4000,))
+        target = torch.zeros(4000, dtype=torch.uint8)
+        assert choose_layout(file, read_item, spans[1], target, layouts) is None

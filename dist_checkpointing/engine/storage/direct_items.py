@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...errors import CorruptCheckpointError
 from .byte_ranges import DataFile, mismatch_error, part_count
 from .checksums import crc, hashing_thread
-from .direct_large import LargeCheck, fits, read_large
+from .direct_large import LargeCheck, choose_layout, fits, read_large
 from .item_checksums import ItemChecksum
 from .item_reader import KnownLayout, known_layouts
 from .overlaps import overlapping
@@ -114,10 +114,12 @@ def direct_runs(
     is set), into ``planner``'s destinations (resolved and committed under ``lock``);
     ``checksums(offset)`` is the file's item checksum lookup (None: not verified), in
     blocks of ``block_bytes``. Called as ``run(items, i, before, hand_over)``: where no
-    run of small items starts at ``items[i]``, a large item of a known layout is read by
-    :func:`.direct_large.read_large` (unless the reader cuts reads of its size into
-    parts for several threads: :func:`.byte_ranges.part_count` of ``part_bytes``), and
-    its pending check handed to ``hand_over`` (which verifies the item before it first).
+    run of small items starts at ``items[i]``, a large item of a known layout (all its
+    tensor bytes or a contiguous range of them, :func:`.direct_large.choose_layout`) is
+    read by :func:`.direct_large.read_large` (unless the reader cuts reads of that size
+    into parts for several threads: :func:`.byte_ranges.part_count` of ``part_bytes``),
+    and its pending check handed to ``hand_over`` (which verifies the item before it
+    first).
     """
     hasher = hashing_thread(file.readers) if checksums is not None else None
     small = file.limits[0]
@@ -143,20 +145,22 @@ def direct_runs(
         if read_item.type != LoadItemType.TENSOR or length <= small:
             return False
         layouts = known_layouts(length)
-        if not layouts or part_count(length, part_bytes) >= 2:
+        if not layouts:
             return False
         target = resolve(read_item)
         if target.requires_grad:
             target = target.detach()
-        layout = next((k for k in layouts if fits(read_item, k, target)), None)
         checksum = checksum_of(offset, length)
-        if layout is None or checksum is False:
+        if checksum is False:
             return False
         assert checksum is None or isinstance(checksum, ItemChecksum)
+        chosen = choose_layout(file, read_item, (offset, length), target, layouts)
+        if chosen is None or part_count(chosen[1][1], part_bytes) >= 2:
+            return False
         if pending and pending.pop().overlaps(target):
             before()  # one memory under two keys: its hashes must not see these bytes
         check = read_large(
-            file, read_item, offset, length, target, layout, checksum, block_bytes, hasher
+            file, read_item, (offset, length), target, chosen, checksum, block_bytes, hasher
         )
         if check is None:
             return False
