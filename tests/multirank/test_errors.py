@@ -26,6 +26,7 @@ from dist_checkpointing import errors as E
 from dist_checkpointing.engine.storage.reader import FileSystemReader
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from tests.support.faults import BAD_INPUTS, bad_input
 from tests.support.harness import run_distributed
 
 pytestmark = pytest.mark.timeout(120)
@@ -509,18 +510,10 @@ def _rank_fails_before_the_first_collective(root: str, how: str, validate: bool)
     a good state dict. Both must raise (never wait for each other); what each raised."""
     rank = dist.get_rank()
     ckpt = Path(root) / "ckpt"
-    good = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4), (0, rank, 2))}
-    state: Any = good
-    if rank == 1 and how == "list":
-        state = list(good.values())
-    if rank == 1 and how == "factory":
-        w = good["w"]
-
-        def boom(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> Any:
-            raise ValueError("the factory of rank 1 fails")
-
-        state = {"w": dcp.ShardedTensorFactory("w", w.data, boom, lambda x: x)}
-    target = Path(root) / "missing" if (rank == 1 and how == "missing dir") else ckpt
+    state: Any = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 4), (0, rank, 2))}
+    target = ckpt
+    if rank == 1:
+        state, target = bad_input(how, state, "w", ckpt, Path(root))
     if rank == 0:
         ckpt.mkdir(exist_ok=True)
     dist.barrier()
@@ -541,8 +534,7 @@ def test_a_save_failing_on_one_rank_before_any_collective_raises_on_every_rank(
     )
     assert results[1] != "saved" and results[0].startswith("RankFailureError"), results
     assert "rank 1" in results[0], results
-    cause = {"list": "must be a dict", "factory": "factory of rank 1", "missing dir": "missing"}
-    assert cause[how] in results[0] and cause[how] in results[1], results
+    assert BAD_INPUTS[how] in results[0] and BAD_INPUTS[how] in results[1], results
     assert not (tmp_path / "ckpt" / "metadata.json").exists()  # nothing committed
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import dist_checkpointing as dcp
 from dist_checkpointing import ShardedTensor
 from tests.multirank.test_save_opening import _counted
+from tests.support.faults import BAD_INPUTS, bad_input
 from tests.support.harness import run_distributed
 
 TIMEOUT_S = 120.0
@@ -81,17 +82,8 @@ def _rank_fails_before_the_first_collective(
     rank, world = dist.get_rank(), dist.get_world_size()
     request: Any = _request(rank, world)
     target = ckpt
-    if rank == 1 and how == "list":
-        request = list(request.values())
-    if rank == 1 and how == "factory":
-        w = request["w0"]
-
-        def boom(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> Any:
-            raise ValueError("the factory of rank 1 fails")
-
-        request["w0"] = dcp.ShardedTensorFactory("w0", w.data, boom, lambda x: x)
-    if rank == 1 and how == "missing dir":
-        target = Path(root) / "missing"
+    if rank == 1:
+        request, target = bad_input(how, request, "w0", ckpt, Path(root))
     try:
         dcp.load(request, target, strict=strict, validate_access_integrity=validate)
     except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
@@ -116,5 +108,4 @@ def test_a_load_failing_on_one_rank_before_any_collective_raises_on_every_rank(
     )
     assert results[1] != "loaded" and results[0].startswith("RankFailureError"), results
     assert "rank 1" in results[0] and f"Loading {tmp_path}" in results[0], results
-    cause = {"list": "must be a dict", "factory": "factory of rank 1", "missing dir": "missing"}
-    assert cause[how] in results[0] and cause[how] in results[1], results
+    assert BAD_INPUTS[how] in results[0] and BAD_INPUTS[how] in results[1], results

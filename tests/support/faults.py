@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
+import dist_checkpointing as dcp
 from dist_checkpointing.engine.checkpoint import commit
 
 
@@ -45,3 +48,25 @@ def file_property(max_examples: int) -> settings:
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
+
+
+# What bad_input() does to rank 1's input, and the words its error names.
+BAD_INPUTS = {"list": "must be a dict", "factory": "factory of rank 1", "missing dir": "missing"}
+
+
+def bad_input(how: str, state: dict[str, Any], key: str, target: Path, root: Path) -> Any:
+    """``(state, target)`` spoilt as ``how`` says (a key of :data:`BAD_INPUTS`), for a
+    rank that must fail before any collective of ``save`` or ``load``: the state as a
+    list, the tensor at ``key`` behind a factory that raises, or a directory under
+    ``root`` that does not exist instead of ``target``."""
+    if how == "list":
+        return list(state.values()), target
+    if how == "factory":
+        sh = state[key]
+
+        def boom(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> Any:
+            raise ValueError("the factory of rank 1 fails")
+
+        return {**state, key: dcp.ShardedTensorFactory(key, sh.data, boom, lambda x: x)}, target
+    assert how == "missing dir", how
+    return state, root / "missing"
