@@ -18,6 +18,7 @@ split one way and loaded split another (0.16 no longer accepts flattened ranges)
 from __future__ import annotations
 
 import importlib
+import os
 import random
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dist_checkpointing.engine.storage import direct_items
 from tests.support.harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -318,3 +320,51 @@ def test_random_layouts_move_between_us_and_megatron_core(tmp_path: Path, releas
         pytest.skip(f"megatron-core {release} is not in .mcore-site (make test installs it)")
     checked = run_distributed(_random_cases, 2, str(tmp_path), release, 2026, 8, timeout=300.0)
     assert checked == [24, 24]
+
+
+def _read_directly(root: str, release: str) -> list[int]:
+    """Saved by Megatron-Core, loaded by us three times with every item counted as large
+    (no "small item" window): the loads after the first read the items whose layout they
+    learnt straight into their destinations (``w`` whole, the flat range reversed, and
+    ``exp_avg``'s column blocks into rows the usual way), bit-exactly each time."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = _with_flat(release)
+    taken: list[int] = []
+    read_large = direct_items.read_large
+
+    def counting(*args: Any) -> Any:
+        check = read_large(*args)
+        taken.append(check is not None)
+        return check
+
+    direct_items.read_large = counting  # type: ignore[assignment]
+    os.environ["DIST_CKPT_READ_SMALL_ITEM_BYTES"] = "0"
+    per_load = []
+    with _mcore_compat().stand_ins():
+        mcore, ours = _library("megatron", release), _library("ours", release)
+        mcore.save(_state(mcore, rank, world, saving=True, flat=flat), root)
+        for _ in range(3):
+            before = sum(taken)
+            loaded = ours.load(_state(ours, rank, world, saving=False, flat=flat), root)
+            per_load.append(sum(taken) - before)
+            rows, part = ROWS // world, world - 1 - rank
+            assert torch.equal(loaded["w"], FULL), f"rank {rank}: w"
+            expected = OTHER[part * rows : (part + 1) * rows]
+            assert torch.equal(loaded["opt"]["exp_avg"], expected), f"rank {rank}: exp_avg"
+            if flat:
+                fr = _flat_range(rank, world, reverse=True)
+                assert torch.equal(loaded["opt"]["param"], FLAT.reshape(-1)[fr]), fr
+    return per_load
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_megatron_core_items_are_read_straight_into_their_destinations(
+    tmp_path: Path, release: str
+) -> None:
+    if not (MCORE_SITE / release / "megatron" / "core").is_dir():
+        pytest.skip(f"megatron-core {release} is not in .mcore-site (make test installs it)")
+    (tmp_path / "ckpt").mkdir()
+    for per_load in run_distributed(_read_directly, 2, str(tmp_path / "ckpt"), release):
+        # w's two row blocks (whole items into views of the destination), and with flat
+        # ranges the parts of them the reversed range meets; none before a layout is known.
+        assert per_load[1] == per_load[2] >= 2, per_load
