@@ -122,8 +122,7 @@ def open_load(
     checkpoint is complete, pick its load strategies (``strategies``: the sharded and
     common ones asked for), load the common state and split the request. A failure here
     is this rank's: the caller's first verdict raises it on every rank."""
-    check_is_dict(sharded_state_dict)
-    if preload.wanted(ckpt):
+    if preload.wanted(ckpt):  # collective: before anything of this rank's alone can raise
         preload.preload_small_files(ckpt, RankGroup(process_group), _SMALL_FILES)
     sharded, common = verify_checkpoint_and_load_strategy(
         ckpt, strategies[0], strategies[1], verify_checksums=verify_checksums
@@ -133,6 +132,7 @@ def open_load(
         integrity.verify_files(ckpt, metadata_files(ckpt, sharded) + common.files(ckpt))
     with account.phase("common"):
         common_state_dict = common.load_common(ckpt)
+    check_is_dict(sharded_state_dict)
     request, nonpersistent, factories = load_preprocess(sharded_state_dict)
     return OpenedLoad(
         (bind_process_group(sharded, process_group), common),

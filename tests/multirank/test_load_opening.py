@@ -7,6 +7,7 @@ it and ``Loading <dir>`` elsewhere), never a hang.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,13 @@ def test_the_default_load_takes_its_first_verdict_in_the_sharding_check(
 
 
 def _rank_fails_before_the_first_collective(
-    root: str, how: str, strict: str, validate: bool
+    root: str, how: str, strict: str, validate: bool, preload: bool
 ) -> str:
     """Rank 1 gets bad input that fails before any collective of ``load``; rank 0 a
-    good request. Both must raise (never wait for each other); what each raised."""
+    good request. Both must raise (never wait for each other); what each raised. With
+    ``preload``, the coordinator first fetches the small files for every rank (a
+    collective every rank makes, whatever its input)."""
+    os.environ["DIST_CKPT_LOAD_PRELOAD"] = "2" if preload else "0"
     ckpt = _saved(root, "torch_dist")
     rank, world = dist.get_rank(), dist.get_world_size()
     request: Any = _request(rank, world)
@@ -91,11 +95,12 @@ def _rank_fails_before_the_first_collective(
     return "loaded"
 
 
+@pytest.mark.parametrize("preload", [False, True], ids=["", "preloaded"])
 @pytest.mark.parametrize("validate", [True, False], ids=["validated", "unvalidated"])
 @pytest.mark.parametrize("strict", ["assume_ok_unexpected", "raise_all"])
 @pytest.mark.parametrize("how", ["list", "factory", "missing dir"])
 def test_a_load_failing_on_one_rank_before_any_collective_raises_on_every_rank(
-    tmp_path: Path, how: str, strict: str, validate: bool
+    tmp_path: Path, how: str, strict: str, validate: bool, preload: bool
 ) -> None:
     results = run_distributed(
         _rank_fails_before_the_first_collective,
@@ -104,6 +109,7 @@ def test_a_load_failing_on_one_rank_before_any_collective_raises_on_every_rank(
         how,
         strict,
         validate,
+        preload,
         timeout=TIMEOUT_S,
     )
     assert results[1] != "loaded" and results[0].startswith("RankFailureError"), results

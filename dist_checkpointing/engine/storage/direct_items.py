@@ -18,6 +18,8 @@ after), and is checked before its records are, so that damage is reported as dam
 Only the plain case is read this way: a whole stored tensor into a contiguous CPU
 destination of its dtype, from a local file (a descriptor), an item of one checksum
 block at most. Anything else stops the run; the caller goes on the usual way.
+:func:`direct_runs` also hands a large item of a known layout to
+:mod:`.direct_large`, where no run of small items starts.
 """
 
 from __future__ import annotations
