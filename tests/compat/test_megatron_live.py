@@ -28,8 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_checkpointing.engine.storage import direct_items
 from tests.support.harness import run_distributed
+from tests.support.item_files import count_large
 
 ROOT = Path(__file__).resolve().parents[2]
 MCORE_SITE = ROOT / ".mcore-site"  # one folder per release (MCORE_VERSIONS in the Makefile)
@@ -142,6 +142,14 @@ def _save_then_load(
     assert content == CONTENT, content
     assert shapes["w"] == ((ROWS, COLS), torch.float32), shapes
     assert shapes["opt.exp_avg"] == ((ROWS, COLS), torch.float64), shapes
+    _check_loaded(loaded, rank, world, flat)
+    assert loaded["rng"] == {"seed": 7}, loaded["rng"]
+    assert loaded["iteration"] == 12, loaded["iteration"]
+    return {"files": sorted(p.name for p in Path(root).iterdir())}
+
+
+def _check_loaded(loaded: dict[str, Any], rank: int, world: int, flat: bool) -> None:
+    """What ``_state(..., saving=False)`` asks for, as saved by ``_state(..., saving=True)``."""
     rows, part = ROWS // world, world - 1 - rank
     assert torch.equal(loaded["w"], FULL), f"rank {rank}: w"
     expected = OTHER[part * rows : (part + 1) * rows]
@@ -150,9 +158,6 @@ def _save_then_load(
         fr = _flat_range(rank, world, reverse=True)
         got = loaded["opt"]["param"]
         assert torch.equal(got, FLAT.reshape(-1)[fr]), f"rank {rank}: flat range {fr}"
-    assert loaded["rng"] == {"seed": 7}, loaded["rng"]
-    assert loaded["iteration"] == 12, loaded["iteration"]
-    return {"files": sorted(p.name for p in Path(root).iterdir())}
 
 
 # Megatron-Core's persistent async worker calls ``torch.cuda.set_device(rank %
@@ -329,15 +334,7 @@ def _read_directly(root: str, release: str) -> list[int]:
     ``exp_avg``'s column blocks into rows the usual way), bit-exactly each time."""
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = _with_flat(release)
-    taken: list[int] = []
-    read_large = direct_items.read_large
-
-    def counting(*args: Any) -> Any:
-        check = read_large(*args)
-        taken.append(check is not None)
-        return check
-
-    direct_items.read_large = counting  # type: ignore[assignment]
+    taken = count_large()
     os.environ["DIST_CKPT_READ_SMALL_ITEM_BYTES"] = "0"
     per_load = []
     with _mcore_compat().stand_ins():
@@ -347,13 +344,7 @@ def _read_directly(root: str, release: str) -> list[int]:
             before = sum(taken)
             loaded = ours.load(_state(ours, rank, world, saving=False, flat=flat), root)
             per_load.append(sum(taken) - before)
-            rows, part = ROWS // world, world - 1 - rank
-            assert torch.equal(loaded["w"], FULL), f"rank {rank}: w"
-            expected = OTHER[part * rows : (part + 1) * rows]
-            assert torch.equal(loaded["opt"]["exp_avg"], expected), f"rank {rank}: exp_avg"
-            if flat:
-                fr = _flat_range(rank, world, reverse=True)
-                assert torch.equal(loaded["opt"]["param"], FLAT.reshape(-1)[fr]), fr
+            _check_loaded(loaded, rank, world, flat)
     return per_load
 
 

@@ -22,10 +22,14 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.engine.storage import direct_items
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from tests.support.harness import run_distributed
-from tests.support.item_files import damage_outcomes, load_blocks_whole, load_outcome
+from tests.support.item_files import (
+    count_large,
+    damage_outcomes,
+    load_blocks_whole,
+    load_outcome,
+)
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8]
 # float32 (3000,) and (60, 50): one length, two layouts.
@@ -54,20 +58,6 @@ def _large_items(hashing_thread: bool) -> None:
     os.environ["DIST_CKPT_CHECKSUM_THREAD"] = "1" if hashing_thread else "0"
 
 
-def _count_large() -> list[int]:
-    """Counts the large items read directly (patched in the rank process)."""
-    taken: list[int] = []
-    original = direct_items.read_large
-
-    def counting(*args: Any) -> Any:
-        check = original(*args)
-        taken.append(check is not None)
-        return check
-
-    direct_items.read_large = counting  # type: ignore[assignment]
-    return taken
-
-
 def _save(state: dict[str, Any], root: str | Path) -> None:
     dc.save(state, root, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
 
@@ -75,7 +65,7 @@ def _save(state: dict[str, Any], root: str | Path) -> None:
 def _round_trip(root: str, count: int, hashing_thread: bool) -> list[int]:
     _large_items(hashing_thread)
     _save(_state(count, zeros=False), root)
-    taken = _count_large()
+    taken = count_large()
     per_load = []
     for _ in range(2):
         before = sum(taken)
@@ -101,7 +91,7 @@ def test_large_items_are_read_straight_into_their_destinations(
 def _reshard(root: str, split_dim: int) -> int:
     """Row blocks are contiguous views of the destination (direct), columns are not."""
     _large_items(hashing_thread=False)
-    return load_blocks_whole(root, split_dim, 12, _save, _count_large())
+    return load_blocks_whole(root, split_dim, 12, _save, count_large())
 
 
 @pytest.mark.parametrize("split_dim", [0, 1], ids=["rows", "columns"])
@@ -120,7 +110,7 @@ def _shared_destination(root: str) -> bool:
     _large_items(hashing_thread=True)
     a, b = torch.arange(3000.0), -torch.arange(3000.0)
     _save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in (("a", a), ("b", b))}, root)
-    taken = _count_large()
+    taken = count_large()
     dc.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(3000)) for k in "ab"}, root)
     shared = torch.zeros(3000)
     for _ in range(5):
@@ -144,7 +134,7 @@ def _damage(root: str, count: int, hashing_thread: bool) -> tuple[dict[str, Any]
     saved.mkdir()
     _save(_state(count, zeros=False), saved)
     assert _outcome(str(saved), count, True).startswith("loaded")  # layouts now known
-    taken = _count_large()
+    taken = count_large()
     results, plain_taken = damage_outcomes(
         saved, Path(root), 31, lambda path, verify: _outcome(path, count, verify), taken
     )
@@ -173,7 +163,7 @@ def _quarters(root: str) -> list[int]:
     full = {f"m{i}": torch.arange(64 * 48, dtype=torch.float32).view(64, 48) + i for i in range(6)}
     full["flat"] = torch.arange(5000, dtype=torch.int64)
     _save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in full.items()}, root)
-    taken = _count_large()
+    taken = count_large()
     per_pass = []
     for axis in (0, 1):
         before = sum(taken)

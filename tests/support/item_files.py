@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.engine.storage import item_reader, reader
+from dist_checkpointing.engine.storage import direct_items, item_reader, reader
 
 
 def saved_item(t: torch.Tensor) -> bytes:
@@ -137,6 +137,21 @@ def load_outcome(request: dict[str, Any], root: str, verify: bool) -> str:
         for _, v in sorted(loaded.items())
         if isinstance(v, torch.Tensor)
     )
+
+
+def count_large() -> list[bool]:
+    """From now on, in this process, one entry per large item :mod:`.direct_large` is
+    asked to read: whether it read it (:func:`.direct_items.read_large` wrapped)."""
+    taken: list[bool] = []
+    original = direct_items.read_large
+
+    def counting(*args: Any) -> Any:
+        check = original(*args)
+        taken.append(check is not None)
+        return check
+
+    direct_items.read_large = counting  # type: ignore[assignment]
+    return taken
 
 
 def _never(*args: Any) -> Any:
