@@ -13,8 +13,9 @@ byte flipped anywhere, reads every item whole and finds exactly the damage there
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -67,6 +68,19 @@ def _layout(length: int, tensor: torch.Tensor, read_item: ReadItem) -> item_read
     return layout
 
 
+@contextmanager
+def _opened(path: Path, size: int, piece_bytes: int) -> Iterator[DataFile]:
+    """``path`` (``size`` bytes) open as a data file, the direct path reading it in
+    pieces of ``piece_bytes`` (inline and threaded alike)."""
+    saved = direct_large._CACHE_PIECE, direct_large._THREAD_PIECE
+    direct_large._CACHE_PIECE = direct_large._THREAD_PIECE = piece_bytes
+    try:
+        with path.open("rb") as stream:
+            yield DataFile(stream, str(path), size, (0, 0, 0))
+    finally:
+        direct_large._CACHE_PIECE, direct_large._THREAD_PIECE = saved
+
+
 def _whole(layout: item_reader.KnownLayout) -> tuple[int, int]:
     """The region of all the tensor bytes of an item of ``layout``."""
     return len(layout.head), layout.record.data_length
@@ -106,48 +120,42 @@ def test_read_large_finds_exactly_the_damage_there_is(
     tensors = [_tensor(k, i) for i, k in enumerate(kinds)]
     # The layouts are known, as after a first load.
     path, content, spans, blobs, flipped = item_file(tmp_path / "data.distcp", tensors, gaps, flip)
-    saved_pieces = direct_large._CACHE_PIECE, direct_large._THREAD_PIECE
-    direct_large._CACHE_PIECE = direct_large._THREAD_PIECE = piece_blocks * block_bytes
-    try:
-        with path.open("rb") as stream:
-            file = DataFile(stream, str(path), len(content), (0, 0, 0))
-            for i, (t, (offset, length), blob) in enumerate(zip(tensors, spans, blobs)):
-                read_item = whole_request(f"k{i}", tuple(t.shape))
-                target = torch.zeros_like(t)
-                layout = _layout(length, target, read_item)
-                checksum = ItemChecksum(offset, length, block_crcs(blob, block_bytes))
-                check = read_large(
-                    file,
-                    read_item,
-                    (offset, length),
-                    target,
-                    (layout, _whole(layout)),
-                    checksum if verify else None,
-                    block_bytes,
-                    _HASHER if threaded else None,
-                )
-                rel = None if flipped is None else flipped - offset
-                damaged = rel is not None and 0 <= rel < length
-                if damaged and in_records(layout, length, rel):
-                    assert check is None, (i, rel)
-                    continue
-                assert check is not None, (i, rel)
-                start = len(layout.head)
-                stored = bytes(content[offset + start : offset + start + t.nbytes])
-                assert target.view(torch.uint8).flatten().numpy().tobytes() == stored
-                if not damaged:
+    with _opened(path, len(content), piece_blocks * block_bytes) as file:
+        for i, (t, (offset, length), blob) in enumerate(zip(tensors, spans, blobs)):
+            read_item = whole_request(f"k{i}", tuple(t.shape))
+            target = torch.zeros_like(t)
+            layout = _layout(length, target, read_item)
+            checksum = ItemChecksum(offset, length, block_crcs(blob, block_bytes))
+            check = read_large(
+                file,
+                read_item,
+                (offset, length),
+                target,
+                (layout, _whole(layout)),
+                checksum if verify else None,
+                block_bytes,
+                _HASHER if threaded else None,
+            )
+            rel = None if flipped is None else flipped - offset
+            damaged = rel is not None and 0 <= rel < length
+            if damaged and in_records(layout, length, rel):
+                assert check is None, (i, rel)
+                continue
+            assert check is not None, (i, rel)
+            start = len(layout.head)
+            stored = bytes(content[offset + start : offset + start + t.nbytes])
+            assert target.view(torch.uint8).flatten().numpy().tobytes() == stored
+            if not damaged:
+                check.verify()
+                assert torch.equal(target.view(torch.uint8), t.view(torch.uint8))
+            elif verify:
+                assert rel is not None
+                with pytest.raises(ChecksumMismatchError) as err:
                     check.verify()
-                    assert torch.equal(target.view(torch.uint8), t.view(torch.uint8))
-                elif verify:
-                    assert rel is not None
-                    with pytest.raises(ChecksumMismatchError) as err:
-                        check.verify()
-                    assert err.value.key == f"k{i}" and err.value.file == str(path)
-                    assert err.value.offset == offset + rel // block_bytes * block_bytes
-                else:
-                    check.verify()  # nothing recorded to compare
-    finally:
-        direct_large._CACHE_PIECE, direct_large._THREAD_PIECE = saved_pieces
+                assert err.value.key == f"k{i}" and err.value.file == str(path)
+                assert err.value.offset == offset + rel // block_bytes * block_bytes
+            else:
+                check.verify()  # nothing recorded to compare
 
 
 def test_a_file_that_ends_early_names_the_item(tmp_path: Path) -> None:
@@ -286,28 +294,22 @@ def test_a_region_read_finds_the_damage_in_what_it_reads(
     assert region is not None
     start, nbytes = region
     expected = t[tuple(slice(o, o + n) for o, n in zip(at, lengths))]
-    saved_pieces = direct_large._CACHE_PIECE, direct_large._THREAD_PIECE
-    direct_large._CACHE_PIECE = direct_large._THREAD_PIECE = piece_blocks * block_bytes
     checksum = ItemChecksum(offset, length, block_crcs(blob, block_bytes))
-    try:
-        with path.open("rb") as stream:
-            file = DataFile(stream, str(path), len(content), (0, 0, 0))
-            chosen = choose_layout(file, read_item, (offset, length), target, [layout])
-            check = None
-            if chosen is not None:
-                assert chosen == (layout, region)
-                check = read_large(
-                    file,
-                    read_item,
-                    (offset, length),
-                    target,
-                    chosen,
-                    checksum if verify else None,
-                    block_bytes,
-                    _HASHER if threaded else None,
-                )
-    finally:
-        direct_large._CACHE_PIECE, direct_large._THREAD_PIECE = saved_pieces
+    with _opened(path, len(content), piece_blocks * block_bytes) as file:
+        chosen = choose_layout(file, read_item, (offset, length), target, [layout])
+        check = None
+        if chosen is not None:
+            assert chosen == (layout, region)
+            check = read_large(
+                file,
+                read_item,
+                (offset, length),
+                target,
+                chosen,
+                checksum if verify else None,
+                block_bytes,
+                _HASHER if threaded else None,
+            )
     rel = None if flipped is None else flipped - offset
     whole = start == len(layout.head) and start + nbytes + layout.tail_length == length
     if verify or whole:

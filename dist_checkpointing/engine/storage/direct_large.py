@@ -53,7 +53,7 @@ from .checksums import BlockHasher, whole_blocks
 from .item_checksums import ItemChecksum
 from .item_reader import KnownLayout
 from .positional import read_all_at
-from .tensor_bytes import buffer_of, contiguous_strides
+from .tensor_bytes import buffer_of, element_span
 
 # Bytes read per piece (whole checksum blocks): checksummed inline while in the cache,
 # or handed to the hashing thread (fewer, larger hand-offs).
@@ -159,10 +159,7 @@ def region_of(
     numel = target.numel()
     if not numel or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, record.shape)):
         return None
-    first = last = record.storage_offset
-    for o, n, stride in zip(offsets, lengths, contiguous_strides(record.shape)):
-        first += o * stride
-        last += (o + n - 1) * stride
+    first, last = element_span(record.shape, record.storage_offset, offsets, lengths)
     if last - first + 1 != numel:  # strided: columns of a matrix, say
         return None
     size = target.element_size()

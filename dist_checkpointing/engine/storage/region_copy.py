@@ -24,7 +24,7 @@ from .byte_ranges import ItemBytes
 from .checksums import whole_blocks
 from .item_reader import TensorRecord
 from .staging_pool import fill_from_host, shared_pool
-from .tensor_bytes import contiguous_strides
+from .tensor_bytes import contiguous_strides, element_span
 
 
 def _check_request(
@@ -61,12 +61,7 @@ def copy_region(
     if numel == 0:
         return
     itemsize = _itemsize(rec.dtype)
-    strides = contiguous_strides(rec.shape)
-    first = rec.storage_offset
-    last = first
-    for o, n, st in zip(read_item.storage_offsets, lengths, strides):
-        first += o * st
-        last += (o + n - 1) * st
+    first, last = element_span(rec.shape, rec.storage_offset, read_item.storage_offsets, lengths)
     start = rec.data_offset + first * itemsize
     span = last - first + 1
     if span == numel:  # the region is one contiguous byte range
@@ -82,6 +77,7 @@ def copy_region(
             return
         target.copy_(_read_staged(item, start, numel, rec.dtype).view(lengths))
         return
+    strides = contiguous_strides(rec.shape)
     target.copy_(_read_staged(item, start, span, rec.dtype).as_strided(lengths, strides))
 
 

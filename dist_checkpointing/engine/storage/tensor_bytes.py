@@ -10,6 +10,7 @@ in place takes them from here.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,4 +48,18 @@ def contiguous_strides(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-__all__ = ["buffer_of", "byte_view", "contiguous_strides"]
+def element_span(
+    shape: Sequence[int], storage_offset: int, offsets: Sequence[int], lengths: Sequence[int]
+) -> tuple[int, int]:
+    """The first and last element (storage indexes) of the region at ``offsets`` spanning
+    ``lengths`` of a C-order contiguous tensor of ``shape`` starting at element
+    ``storage_offset`` of its storage; the region is one contiguous range where
+    ``last - first + 1`` is its element count."""
+    first = last = storage_offset
+    for o, n, stride in zip(offsets, lengths, contiguous_strides(tuple(shape))):
+        first += o * stride
+        last += (o + n - 1) * stride
+    return first, last
+
+
+__all__ = ["buffer_of", "byte_view", "contiguous_strides", "element_span"]
